@@ -1,0 +1,247 @@
+"""extract: capture the verifier's aux hidden states and final hidden state per token into bf16 safetensors shards.
+
+Layer ids follow the HF ``hidden_states`` convention (0 = embeddings, i = output of decoder layer i-1), which
+equals vLLM/speculators aux ids. The final state is the last decoder layer's output before the final norm
+(``pre_norm``, so targets are ``lm_head(norm(h))``) or after it (``post_norm``); the contract records which.
+Only the decoder stack runs (no lm_head). Shards are resumable: after a kill, completed shards are kept and
+the partial one is redone. DVC tracks ``manifest.json`` (per-shard size and sha256), never the shards.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from expman.errors import ExpmanError
+from expman.generate import read_responses
+from expman.params import ExtractParams, Params
+from expman.provenance import atomic_write_json, provenance, read_manifest, sha256_json, upstream_entry
+from expman.shards import ShardSet, verify_shard
+from expman.tracking import stage_run
+
+__all__ = ["CaptureHooks", "capture_contract", "default_aux_layers", "extract", "load_shard"]
+
+LAYER_CONVENTION = "hf_hidden_states"  # 0 = embeddings, i = output of decoder layer i-1 (= vLLM/speculators ids)
+TENSORS = {
+    "input_ids": "[T] int32",
+    "loss_mask": "[T] bool, true on assistant (generated) tokens",
+    "aux_hidden_states": "[T, 3*H] bfloat16, the aux layers concatenated in aux_layers order",
+    "final_hidden_states": "[T, H] bfloat16, the final_state of the last decoder layer",
+    "sample_offsets": "[n+1] int64, sample k spans rows offsets[k]:offsets[k+1]",
+}
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """The vLLM/speculators default: [2, N//2, N-3] in HF hidden_states ids."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def capture_contract(verifier: dict[str, Any], section: ExtractParams) -> dict[str, Any]:
+    """What a consumer of these features must agree with: verifier facts, layer ids and convention, final state."""
+    num_layers = verifier["num_hidden_layers"]
+    aux = default_aux_layers(num_layers) if section.aux_layers == "auto" else list(section.aux_layers)
+    if max(aux) > num_layers - 1:
+        raise ExpmanError(
+            f"extract.aux_layers: {aux} exceeds {num_layers - 1}, the last id whose state is a layer output "
+            f"before the final norm (the verifier has {num_layers} layers)"
+        )
+    return {
+        "verifier": verifier,
+        "aux_layers": aux,
+        "layer_convention": LAYER_CONVENTION,
+        "final_state": section.final_state,
+        "final_layer": num_layers,
+        "dtype": "bfloat16",
+        "max_seq_len": section.max_seq_len,
+        "tensors": TENSORS,
+    }
+
+
+class CaptureHooks:
+    """Forward hooks that keep the aux layer outputs and the final (pre- or post-norm) state of one forward."""
+
+    def __init__(self, model: Any, aux_layers: list[int], final_state: str):
+        self.base = model.get_decoder()
+        layers = self.base.layers
+        self.aux_layers = aux_layers
+        self.final_state = final_state
+        self.states: dict[Any, Any] = {}
+        modules = {i: (self.base.embed_tokens if i == 0 else layers[i - 1]) for i in aux_layers}
+        if final_state == "pre_norm":
+            modules["final"] = layers[-1]
+        self.handles = [m.register_forward_hook(self._keep(key)) for key, m in modules.items()]
+
+    def _keep(self, key: Any) -> Any:
+        def hook(_module: Any, _inputs: Any, output: Any) -> None:
+            self.states[key] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    def __call__(self, input_ids: Any, attention_mask: Any) -> tuple[Any, Any]:
+        """Run the decoder stack; return (aux [B, T, 3H], final [B, T, H])."""
+        import torch
+
+        self.states.clear()
+        out = self.base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        final = self.states["final"] if self.final_state == "pre_norm" else out.last_hidden_state
+        return torch.cat([self.states[i] for i in self.aux_layers], dim=-1), final
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def _batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """Group consecutive samples (sorted longest first) so that rows × padded length <= batch_tokens."""
+    batches: list[list[int]] = []
+    for index in range(len(lengths)):
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= batch_tokens:
+            batches[-1].append(index)
+        else:
+            batches.append([index])
+    return batches
+
+
+def _extract_shard(capture: CaptureHooks, samples: list[dict[str, Any]], section: ExtractParams, device: str) -> dict:
+    import torch
+
+    lengths = [len(s["ids"]) for s in samples]
+    aux_rows, final_rows = [], []
+    for batch in _batches(lengths, section.batch_tokens):
+        width = lengths[batch[0]]
+        ids = torch.zeros((len(batch), width), dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for r, k in enumerate(batch):
+            ids[r, : lengths[k]] = torch.tensor(samples[k]["ids"])
+            mask[r, : lengths[k]] = 1
+        with torch.inference_mode():
+            aux, final = capture(ids.to(device), mask.to(device))
+        for r, k in enumerate(batch):
+            aux_rows.append(aux[r, : lengths[k]].to(torch.bfloat16).cpu())
+            final_rows.append(final[r, : lengths[k]].to(torch.bfloat16).cpu())
+    offsets = torch.tensor([0, *lengths]).cumsum(0)
+    loss_mask = torch.zeros(int(offsets[-1]), dtype=torch.bool)
+    for k, sample in enumerate(samples):
+        loss_mask[int(offsets[k]) + sample["prompt_tokens"] : int(offsets[k + 1])] = True
+    return {
+        "input_ids": torch.tensor([t for s in samples for t in s["ids"]], dtype=torch.int32),
+        "loss_mask": loss_mask,
+        "aux_hidden_states": torch.cat(aux_rows),
+        "final_hidden_states": torch.cat(final_rows),
+        "sample_offsets": offsets.to(torch.int64),
+    }
+
+
+def _plan(records: list[dict[str, Any]], max_seq_len: int) -> list[dict[str, Any]]:
+    """Samples in a fixed order (longest first, then id) so shard contents never depend on timing."""
+    samples = [
+        {
+            "id": r["id"],
+            "ids": r["input_ids"][:max_seq_len],
+            "prompt_tokens": r["prompt_tokens"],
+            "truncated": len(r["input_ids"]) > max_seq_len,
+        }
+        for r in records
+        if r["prompt_tokens"] < max_seq_len
+    ]
+    return sorted(samples, key=lambda s: (-len(s["ids"]), s["id"]))
+
+
+def extract(params: Params, verifier_dir: Path, generated_dir: Path, out_dir: Path) -> dict[str, Any]:
+    """Write shards to ``params.extract.shard_dir`` and ``out_dir/manifest.json``."""
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    from expman.verifier import load_verifier, resolve_device, resolve_dtype
+
+    section = params.extract
+    verifier_manifest = read_manifest(verifier_dir / "manifest.json", "prepare")
+    generated_manifest = read_manifest(generated_dir / "manifest.json", "generate")
+    if generated_manifest["verifier"] != verifier_manifest["verifier"]:
+        raise ExpmanError(f"{generated_dir / 'manifest.json'}: responses come from another verifier; rerun generate")
+    contract = capture_contract(verifier_manifest["verifier"], section)
+    samples = _plan(read_responses(generated_dir, section.split), section.max_seq_len)
+    if not samples:
+        raise ExpmanError(f"{generated_dir / 'manifest.json'}: no usable {section.split!r} responses to extract")
+    upstream = {
+        "prepare": upstream_entry(verifier_dir / "manifest.json", verifier_manifest),
+        "generate": upstream_entry(generated_dir / "manifest.json", generated_manifest),
+    }
+    shard_dir = Path(section.shard_dir)
+    shards = ShardSet(shard_dir)
+    device = resolve_device(section.device)
+    with stage_run("extract", section.model_dump(), upstream) as run:
+        capture: CaptureHooks | None = None
+        entries, computed_tokens = [], 0
+        started = time.perf_counter()
+        total_tokens = sum(len(s["ids"]) for s in samples)
+        with tqdm(total=total_tokens, desc="extract", unit="tok", unit_scale=True) as bar:
+            for index, start in enumerate(range(0, len(samples), section.samples_per_shard)):
+                chunk = samples[start : start + section.samples_per_shard]
+                name = f"shard-{index:05d}.safetensors"
+                key = sha256_json({"contract": contract, "samples": chunk})
+                entry = shards.done(name, key)
+                if entry is None:
+                    if capture is None:
+                        model = load_verifier(verifier_dir, device, resolve_dtype(section.dtype, device))
+                        capture = CaptureHooks(model, contract["aux_layers"], section.final_state)
+                    tensors = _extract_shard(capture, chunk, section, device)
+                    metadata = {"key": key, "sample_ids": json.dumps([s["id"] for s in chunk])}
+                    entry = shards.write(
+                        name,
+                        key,
+                        lambda tmp, t=tensors, m=metadata: save_file(t, str(tmp), metadata=m),
+                        samples=len(chunk),
+                        tokens=int(tensors["input_ids"].numel()),
+                        loss_tokens=int(tensors["loss_mask"].sum()),
+                    )
+                    computed_tokens += entry["tokens"]
+                entries.append(entry)
+                bar.update(entry["tokens"])
+        elapsed = time.perf_counter() - started
+        shards.remove_others({e["path"] for e in entries})
+        tokens = sum(e["tokens"] for e in entries)
+        stored = sum(e["bytes"] for e in entries)
+        hidden_size = contract["verifier"]["hidden_size"]
+        storage = {
+            "bytes": stored,
+            "bytes_per_token": stored / tokens,
+            "hidden_bytes_per_token": 4 * hidden_size * 2,
+            "ratio_to_hidden": stored / tokens / (4 * hidden_size * 2),
+        }
+        totals = {
+            "samples": len(samples),
+            "tokens": tokens,
+            "loss_tokens": sum(e["loss_tokens"] for e in entries),
+            "truncated": sum(s["truncated"] for s in samples),
+        }
+        metrics = {**totals, **{f"storage.{k}": v for k, v in storage.items()}}
+        if computed_tokens:
+            metrics["extract_tok_per_s"] = computed_tokens / elapsed
+        run.log_metrics(metrics)
+        manifest = {
+            "stage": "extract",
+            "contract": contract,
+            "contract_sha256": sha256_json(contract),
+            "split": section.split,
+            "shard_dir": str(shard_dir),
+            "shards": entries,
+            "totals": totals,
+            "storage": storage,
+            "provenance": provenance(section.model_dump(), upstream, run.run_id),
+        }
+        atomic_write_json(out_dir / "manifest.json", manifest)
+        run.log_artifact(out_dir / "manifest.json")
+    return manifest
+
+
+def load_shard(manifest: dict[str, Any], index: int, verify: bool = True) -> dict[str, Any]:
+    """Tensors of one shard listed in an extract manifest, checksum-verified first."""
+    from safetensors.torch import load_file
+
+    entry = manifest["shards"][index]
+    folder = Path(manifest["shard_dir"])
+    path = verify_shard(folder, entry) if verify else folder / entry["path"]
+    return load_file(str(path))

@@ -1,0 +1,229 @@
+"""generate: regenerate assistant responses with the verifier and its own chat template, in resumable shards.
+
+Training a drafter on the verifier's own outputs (not the dataset's) is what makes its acceptance transfer
+to serving. Each record keeps the exact token ids the verifier produced (prompt ids from the chat template
+plus generated ids up to and including EOS), so extract never re-tokenizes text. With several user turns the
+assistant turns are regenerated in order; the last one is the training target.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from expman.conversations import Conversation, read_dataset
+from expman.params import GenerateParams, Params
+from expman.provenance import atomic_write_json, provenance, read_manifest, sha256_json, upstream_entry
+from expman.shards import ShardSet
+from expman.tracking import stage_run
+
+__all__ = ["GenOutput", "generate", "read_responses"]
+
+Messages = list[dict[str, str]]
+SHARD_COUNTS = ("records", "failed", "prompt_tokens", "response_tokens")
+
+
+@dataclass(frozen=True)
+class GenOutput:
+    """One generated reply: the prompt ids the engine saw, the generated ids (EOS included), the text."""
+
+    prompt_ids: list[int]
+    output_ids: list[int]
+    text: str
+    finish_reason: str
+
+
+class Backend(Protocol):
+    def generate(self, batch: Sequence[Messages]) -> list[GenOutput]: ...
+
+
+class HFBackend:
+    """Batched greedy (or sampled) generation with transformers; left padding, one prompt length bucket per batch."""
+
+    def __init__(self, model_dir: Path, params: GenerateParams):
+        from expman.verifier import load_tokenizer, load_verifier, resolve_device, resolve_dtype
+
+        self.params = params
+        self.device = resolve_device(params.device)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.tokenizer.padding_side = "left"
+        self.model = load_verifier(model_dir, self.device, resolve_dtype(params.dtype, self.device))
+        eos = self.model.generation_config.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos]) | {self.tokenizer.eos_token_id}
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos_ids)
+
+    def _prompt_ids(self, messages: Messages) -> list[int]:
+        encoded = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=True, **self.params.chat_template_kwargs
+        )
+        return list(encoded["input_ids"])
+
+    def generate(self, batch: Sequence[Messages]) -> list[GenOutput]:
+        import torch
+
+        prompts = [self._prompt_ids(m) for m in batch]
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        results: list[GenOutput | None] = [None] * len(prompts)
+        size = self.params.batch_size
+        for start in range(0, len(order), size):
+            rows = order[start : start + size]
+            width = max(len(prompts[i]) for i in rows)
+            ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+            mask = torch.zeros((len(rows), width), dtype=torch.long)
+            for r, i in enumerate(rows):
+                ids[r, width - len(prompts[i]) :] = torch.tensor(prompts[i])
+                mask[r, width - len(prompts[i]) :] = 1
+            temperature = self.params.temperature
+            sampling = {"do_sample": True, "temperature": temperature} if temperature else {"do_sample": False}
+            with torch.inference_mode():
+                out = self.model.generate(
+                    input_ids=ids.to(self.device),
+                    attention_mask=mask.to(self.device),
+                    max_new_tokens=self.params.max_new_tokens,
+                    pad_token_id=self.pad_id,
+                    **sampling,
+                )
+            for r, i in enumerate(rows):
+                generated = out[r, width:].tolist()
+                stop = next((n for n, t in enumerate(generated) if t in self.eos_ids), None)
+                kept = generated if stop is None else generated[: stop + 1]
+                text = self.tokenizer.decode(kept, skip_special_tokens=True)
+                results[i] = GenOutput(prompts[i], kept, text, "length" if stop is None else "stop")
+        return [r for r in results if r is not None]
+
+
+def _make_backend(model_dir: Path, params: GenerateParams) -> Backend:
+    if params.backend == "vllm":
+        from expman.vllm_engine import VllmGenerator
+
+        return VllmGenerator(model_dir, params)
+    return HFBackend(model_dir, params)
+
+
+def _regenerate(backend: Backend, conversations: Sequence[Conversation]) -> list[dict[str, Any]]:
+    """Answer every user turn in order; return one record per conversation."""
+    histories: list[Messages] = [[{"role": "system", "content": c.system}] if c.system else [] for c in conversations]
+    last: list[GenOutput | None] = [None] * len(conversations)
+    for turn in range(max(len(c.user_turns) for c in conversations)):
+        active = [i for i, c in enumerate(conversations) if turn < len(c.user_turns)]
+        for i in active:
+            histories[i].append({"role": "user", "content": conversations[i].user_turns[turn]})
+        for i, output in zip(active, backend.generate([histories[i] for i in active]), strict=True):
+            histories[i].append({"role": "assistant", "content": output.text})
+            last[i] = output
+    records = []
+    for conversation, history, output in zip(conversations, histories, last, strict=True):
+        assert output is not None
+        ok = bool(output.text.strip())
+        records.append(
+            {
+                "id": conversation.id,
+                "category": conversation.category,
+                "split": conversation.split,
+                "messages": history,
+                "input_ids": output.prompt_ids + output.output_ids,
+                "prompt_tokens": len(output.prompt_ids),
+                "response_tokens": len(output.output_ids),
+                "finish_reason": output.finish_reason,
+                "ok": ok,
+                "error": None if ok else "empty response",
+            }
+        )
+    return records
+
+
+def _write_jsonl(records: list[dict[str, Any]]) -> Any:
+    def write(tmp: Path) -> None:
+        with open(tmp, "w", encoding="utf-8") as handle:
+            for record in records:
+                handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+    return write
+
+
+def generate(params: Params, verifier_dir: Path, out_dir: Path) -> dict[str, Any]:
+    """Regenerate responses for every dataset of ``params.generate`` into ``out_dir/<split>/shard-*.jsonl``."""
+    import torch
+    from tqdm import tqdm
+
+    section = params.generate
+    root = Path.cwd()
+    verifier_manifest = read_manifest(verifier_dir / "manifest.json", "prepare")
+    conversations: dict[str, list[Conversation]] = {}
+    for spec in section.datasets:
+        conversations.setdefault(spec.split, []).extend(read_dataset(spec, root, section.max_turns))
+    upstream = {"prepare": upstream_entry(verifier_dir / "manifest.json", verifier_manifest)}
+    settings = {
+        "verifier_weights": verifier_manifest["verifier"]["weights_sha256"],
+        "tokenizer": verifier_manifest["verifier"]["tokenizer_sha256"],
+        **section.model_dump(exclude={"datasets", "shard_size", "batch_size", "device", "tensor_parallel_size"}),
+    }
+    with stage_run("generate", section.model_dump(), upstream) as run:
+        backend: Backend | None = None
+        splits: dict[str, Any] = {}
+        total = sum(len(c) for c in conversations.values())
+        started = time.perf_counter()
+        new_tokens = 0
+        with tqdm(total=total, desc="generate", unit="conv") as bar:
+            for split, items in conversations.items():
+                shards = ShardSet(out_dir / split)
+                entries = []
+                for index, start in enumerate(range(0, len(items), section.shard_size)):
+                    chunk = items[start : start + section.shard_size]
+                    name = f"shard-{index:05d}.jsonl"
+                    key = sha256_json({"settings": settings, "conversations": [asdict(c) for c in chunk]})
+                    entry = shards.done(name, key)
+                    if entry is None:
+                        backend = backend or _make_backend(verifier_dir, section)
+                        torch.manual_seed(section.seed + index)  # sampling replays the same after a resume
+                        records = _regenerate(backend, chunk)
+                        facts = {
+                            "records": len(records),
+                            "failed": sum(not r["ok"] for r in records),
+                            "prompt_tokens": sum(r["prompt_tokens"] for r in records),
+                            "response_tokens": sum(r["response_tokens"] for r in records),
+                        }
+                        entry = shards.write(name, key, _write_jsonl(records), **facts)
+                        new_tokens += facts["response_tokens"]
+                    entries.append(entry)
+                    bar.update(len(chunk))
+                shards.remove_others({e["path"] for e in entries})
+                splits[split] = {
+                    "shards": entries,
+                    **{k: sum(e[k] for e in entries) for k in SHARD_COUNTS},
+                }
+        elapsed = time.perf_counter() - started
+        metrics = {f"{split}.{k}": v for split, s in splits.items() for k, v in s.items() if k != "shards"}
+        if new_tokens:
+            metrics["generated_tok_per_s"] = new_tokens / elapsed
+        run.log_metrics(metrics)
+        manifest = {
+            "stage": "generate",
+            "backend": section.backend,
+            "verifier": verifier_manifest["verifier"],
+            "splits": splits,
+            "provenance": provenance(section.model_dump(), upstream, run.run_id),
+        }
+        atomic_write_json(out_dir / "manifest.json", manifest)
+        run.log_artifact(out_dir / "manifest.json")
+    return manifest
+
+
+def read_responses(generated_dir: Path, split: str, verify: bool = True) -> list[dict[str, Any]]:
+    """The successful records of one split, in manifest order; shards are checksum-verified."""
+    from expman.errors import ExpmanError
+    from expman.shards import verify_shard
+
+    manifest = read_manifest(generated_dir / "manifest.json", "generate")
+    if split not in manifest["splits"]:
+        raise ExpmanError(f"{generated_dir / 'manifest.json'}: no {split!r} split (add a dataset with split: {split})")
+    records = []
+    for entry in manifest["splits"][split]["shards"]:
+        path = verify_shard(generated_dir / split, entry) if verify else generated_dir / split / entry["path"]
+        with open(path, encoding="utf-8") as handle:
+            records.extend(r for r in map(json.loads, handle) if r["ok"])
+    return records

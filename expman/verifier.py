@@ -1,0 +1,147 @@
+"""prepare: resolve the verifier (HF folder or GGUF) into an HF safetensors folder and record its contract facts.
+
+This is the one module that talks to the GGUF loader (transformers' ``gguf_file`` + ``GgufConfig``). The
+contract facts (architecture, layers, hidden size, vocab, tokenizer and chat-template hashes) are what every
+later stage checks its inputs against.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+from expman.errors import ExpmanError
+from expman.params import Params, resolve_package_file
+from expman.provenance import atomic_dir, atomic_write_json, provenance, read_manifest, sha256_file
+from expman.tracking import stage_run
+
+__all__ = ["load_tokenizer", "load_verifier", "prepare", "resolve_device", "resolve_dtype", "verifier_facts"]
+
+
+def resolve_device(device: str) -> str:
+    """auto → cuda when available, else cpu; an explicit cuda without a GPU is an error."""
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ExpmanError("device: cuda requested but torch sees no CUDA device")
+    return device
+
+
+def resolve_dtype(dtype: str, device: str) -> Any:
+    """auto → float32 on CPU (bf16 matmuls are ~6× slower on AVX2), bfloat16 on CUDA."""
+    import torch
+
+    if dtype == "auto":
+        return torch.bfloat16 if device == "cuda" else torch.float32
+    return getattr(torch, dtype)
+
+
+def _source_path(source: str, root: Path) -> Path:
+    return resolve_package_file(source) if source.startswith("package:") else root / source
+
+
+def _load_source(path: Path, dtype: Any, trust_remote_code: bool) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    if path.is_file():  # GGUF: dequantize into a dense model save_pretrained can write
+        kwargs = {"gguf_file": path.name}
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(
+            path.parent, quantization_config=GgufConfig(dequantize=True), dtype=dtype, **kwargs
+        )
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code
+        )
+    return model, tokenizer
+
+
+def verifier_facts(model_dir: Path) -> dict[str, Any]:
+    """The verifier half of the capture contract, read from a prepared HF folder."""
+    import json
+
+    config = json.loads((model_dir / "config.json").read_text())
+    text_config = config.get("text_config", config)
+    tokenizer_file = model_dir / "tokenizer.json"
+    template_file = model_dir / "chat_template.jinja"
+    template = template_file.read_text(encoding="utf-8") if template_file.is_file() else ""
+    weights = hashlib.sha256()
+    for shard in sorted(model_dir.glob("*.safetensors")):
+        weights.update(sha256_file(shard).encode())
+    return {
+        "architecture": (config.get("architectures") or ["unknown"])[0],
+        "model_type": text_config.get("model_type", config.get("model_type")),
+        "num_hidden_layers": text_config["num_hidden_layers"],
+        "hidden_size": text_config["hidden_size"],
+        "vocab_size": text_config["vocab_size"],
+        "tie_word_embeddings": bool(config.get("tie_word_embeddings", False)),
+        "tokenizer_sha256": sha256_file(tokenizer_file) if tokenizer_file.is_file() else "",
+        "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest() if template else "",
+        "weights_sha256": weights.hexdigest(),
+    }
+
+
+def prepare(params: Params, out_dir: Path) -> dict[str, Any]:
+    """Resolve ``params.prepare.source`` into ``out_dir`` (HF safetensors folder + manifest.json)."""
+    import torch
+
+    section = params.prepare
+    root = Path.cwd()
+    source = _source_path(section.source, root)
+    dtype = getattr(torch, section.save_dtype)
+    with stage_run("prepare", section.model_dump(), upstream={}) as run:
+        try:
+            model, tokenizer = _load_source(source, dtype, section.trust_remote_code)
+        except (OSError, ValueError, KeyError, RuntimeError) as err:
+            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ExpmanError(f"{source}: cannot load the verifier: {reason}") from None
+        if not tokenizer.chat_template:
+            raise ExpmanError(f"{source}: the tokenizer has no chat template; generate needs one")
+        with atomic_dir(out_dir) as tmp:
+            model.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+            facts = verifier_facts(tmp)
+            manifest = {
+                "stage": "prepare",
+                "source": section.source,
+                "source_sha256": sha256_file(source) if source.is_file() else "",
+                "dtype": section.save_dtype,
+                "trust_remote_code": section.trust_remote_code,
+                "verifier": facts,
+                "provenance": provenance(section.model_dump(), {}, run.run_id),
+            }
+            atomic_write_json(tmp / "manifest.json", manifest)
+        run.log_metrics({"num_hidden_layers": facts["num_hidden_layers"], "hidden_size": facts["hidden_size"]})
+        run.log_artifact(out_dir / "manifest.json")
+    return manifest
+
+
+def load_verifier_manifest(model_dir: Path) -> dict[str, Any]:
+    """The prepare manifest of a verifier folder."""
+    return read_manifest(model_dir / "manifest.json", "prepare")
+
+
+def load_tokenizer(model_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    manifest = load_verifier_manifest(model_dir)
+    return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=manifest["trust_remote_code"])
+
+
+def load_verifier(model_dir: Path, device: str, dtype: Any) -> Any:
+    """The prepared verifier in eval mode, safetensors only."""
+    from transformers import AutoModelForCausalLM
+
+    manifest = load_verifier_manifest(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir,
+        dtype=dtype,
+        use_safetensors=True,
+        trust_remote_code=manifest["trust_remote_code"],
+        attn_implementation="sdpa",
+    )
+    return model.to(device).eval()

@@ -1,0 +1,20 @@
+"""extract: hidden-state shards + data/extract/manifest.json.  Run: python stages/extract.py (or dvc repro extract)."""
+
+import click
+
+from expman import paths
+from expman.errors import user_errors
+from expman.extract import extract
+from expman.params import load_params
+
+
+@click.command()
+@click.option("--params", "params_file", default="params.yaml", show_default=True, help="params file")
+def main(params_file: str) -> None:
+    """Capture aux and final hidden states of the train responses; resumable shard by shard."""
+    with user_errors():
+        extract(load_params(params_file), paths.VERIFIER, paths.GENERATED, paths.EXTRACT)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,20 @@
+"""generate: regenerate responses into data/generated.  Run: python stages/generate.py (or dvc repro generate)."""
+
+import click
+
+from expman import paths
+from expman.errors import user_errors
+from expman.generate import generate
+from expman.params import load_params
+
+
+@click.command()
+@click.option("--params", "params_file", default="params.yaml", show_default=True, help="params file")
+def main(params_file: str) -> None:
+    """Answer every prompt with the verifier and its chat template; resumable shard by shard."""
+    with user_errors():
+        generate(load_params(params_file), paths.VERIFIER, paths.GENERATED)
+
+
+if __name__ == "__main__":  # the vLLM backend spawns its engine process
+    main()

@@ -1,0 +1,20 @@
+"""vocab: draft vocab into data/vocab.  Run: python stages/vocab.py (or dvc repro vocab)."""
+
+import click
+
+from expman import paths
+from expman.errors import user_errors
+from expman.params import load_params
+from expman.vocab import vocab
+
+
+@click.command()
+@click.option("--params", "params_file", default="params.yaml", show_default=True, help="params file")
+def main(params_file: str) -> None:
+    """Pick the draft vocab by assistant-token frequency; write d2t/t2d and coverage metrics."""
+    with user_errors():
+        vocab(load_params(params_file), paths.GENERATED, paths.VOCAB)
+
+
+if __name__ == "__main__":
+    main()
