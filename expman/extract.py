@@ -188,7 +188,8 @@ def extract(params: Params, verifier_dir: Path, generated_dir: Path, out_dir: Pa
                         model = load_verifier(verifier_dir, device, resolve_dtype(section.dtype, device))
                         capture = CaptureHooks(model, contract["aux_layers"], section.final_state)
                     tensors = _extract_shard(capture, chunk, section, device)
-                    metadata = {"key": key, "sample_ids": json.dumps([s["id"] for s in chunk])}
+                    # one metadata key: safetensors writes the metadata map in no fixed order
+                    metadata = {"expman": json.dumps({"key": key, "sample_ids": [s["id"] for s in chunk]})}
                     entry = shards.write(
                         name,
                         key,

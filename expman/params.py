@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, ValidationInfo, field_validator
 
 from expman.errors import ExpmanError
 
@@ -63,7 +63,7 @@ class PrepareParams(Section):
     """HF model folder, a .gguf file, or ``package:<pkg>/<file.gguf>`` for a GGUF shipped in a Python package."""
     save_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """dtype of the written safetensors (GGUF weights are dequantized to it)."""
-    trust_remote_code: bool = False
+    trust_remote_code: StrictBool = False
     """Run model code shipped with an HF folder. Off unless you trust the folder."""
 
     @field_validator("source")
@@ -107,13 +107,13 @@ class GenerateParams(Section):
     datasets: list[DatasetSpec] = Field(min_length=1)
     backend: Literal["hf", "vllm"] = "hf"
     """hf: batched transformers generate (CPU or GPU); vllm: the vLLM engine (``pip install .[engine]``)."""
-    max_new_tokens: PositiveInt = 256
+    max_new_tokens: PositiveInt = 192
     max_turns: PositiveInt = 1
     """User turns regenerated per conversation; the last regenerated response is the training target."""
     temperature: float = Field(default=0.0, ge=0.0, le=2.0)
     """0 = greedy (reproducible)."""
     seed: int = 0
-    batch_size: PositiveInt = 32
+    batch_size: PositiveInt = 48
     shard_size: PositiveInt = 64
     """Conversations per response shard; a killed run redoes at most one shard."""
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)

@@ -58,11 +58,15 @@ class StageRun:
         mlflow.log_artifact(str(path), artifact_path=artifact_path)
 
 
-def _experiment_id(client: Any, name: str, root: Path) -> str:
+def _project_store(uri: str, root: Path) -> bool:
+    return uri == f"sqlite:///{root / 'mlflow.db'}"
+
+
+def _experiment_id(client: Any, name: str, uri: str, root: Path) -> str:
     experiment = client.get_experiment_by_name(name)
     if experiment is not None:
         return experiment.experiment_id
-    location = (root / "mlartifacts").as_uri() if "MLFLOW_TRACKING_URI" not in os.environ else None
+    location = (root / "mlartifacts").as_uri() if _project_store(uri, root) else None
     return client.create_experiment(name, artifact_location=location)
 
 
@@ -81,9 +85,10 @@ def stage_run(stage: str, params: Mapping[str, Any], upstream: Mapping[str, Mapp
     from mlflow import MlflowClient
 
     root = Path.cwd().resolve()
-    mlflow.set_tracking_uri(default_tracking_uri(root))
+    uri = default_tracking_uri(root)
+    mlflow.set_tracking_uri(uri)
     client = MlflowClient()
-    experiment_id = _experiment_id(client, os.environ.get("MLFLOW_EXPERIMENT_NAME", "expman"), root)
+    experiment_id = _experiment_id(client, os.environ.get("MLFLOW_EXPERIMENT_NAME", "expman"), uri, root)
     tags = {"expman.stage": stage, "git.sha": git_sha(root), "mlflow.source.git.commit": git_sha(root)}
     for env, tag in (("DVC_EXP_NAME", "dvc.exp_name"), ("DVC_EXP_BASELINE_REV", "dvc.baseline_rev")):
         if os.environ.get(env):
@@ -109,7 +114,8 @@ def serve_ui(host: str, port: int) -> None:
     import sys
 
     root = Path.cwd().resolve()
-    command = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", default_tracking_uri(root)]
-    if "MLFLOW_TRACKING_URI" not in os.environ:
+    uri = default_tracking_uri(root)
+    command = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri]
+    if _project_store(uri, root):
         command += ["--default-artifact-root", (root / "mlartifacts").as_uri()]
     subprocess.run([*command, "--host", host, "--port", str(port)], check=False)

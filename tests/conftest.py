@@ -1,0 +1,119 @@
+"""Shared fixtures: a tiny random Llama verifier with a real BPE tokenizer and ChatML template, and a project.
+
+The tiny verifier is made locally (no hub access): 6 layers, hidden 32, a BPE tokenizer trained on the
+project's own prompts. ``project`` is a fresh project folder (cwd) with a few prompts and a params.yaml whose
+verifier is that tiny model, and its own sqlite MLflow store.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def _tiny_tokenizer(folder: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    texts = [json.loads(line)["prompt"] for line in (REPO / "data/prompts/train.jsonl").read_text().splitlines()]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token="<|im_start|>"
+    )
+    fast.chat_template = CHATML
+    fast.save_pretrained(folder)
+
+
+def make_tiny_verifier(folder: Path, num_layers: int = 8, seed: int = 0) -> Path:
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    _tiny_tokenizer(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # larger weights: varied generations; norm weights != 1: a double norm is visible
+        for parameter in model.parameters():
+            if parameter.dim() == 2:
+                parameter.normal_(0, 0.2)
+            else:
+                parameter.uniform_(0.5, 1.5)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_verifier_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An HF folder with the tiny random Llama (the input of prepare)."""
+    return make_tiny_verifier(tmp_path_factory.mktemp("tiny-source"))
+
+
+def write_prompts(folder: Path, split: str, count: int) -> None:
+    lines = (REPO / f"data/prompts/{split}.jsonl").read_text(encoding="utf-8").splitlines()[:count]
+    (folder / f"{split}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def tiny_params(source: str) -> dict:
+    return {
+        "prepare": {"source": source},
+        "generate": {
+            "datasets": [
+                {"path": "prompts/train.jsonl", "split": "train"},
+                {"path": "prompts/heldout.jsonl", "split": "heldout"},
+            ],
+            "max_new_tokens": 12,
+            "batch_size": 4,
+            "shard_size": 4,
+        },
+        "extract": {"samples_per_shard": 3, "batch_tokens": 256},
+        "vocab": {"draft_vocab_size": 64},
+    }
+
+
+@pytest.fixture
+def project(tmp_path: Path, tiny_verifier_source: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A project folder (the cwd) with 10 train and 4 held-out prompts and a params.yaml for the tiny verifier."""
+    shutil.copytree(tiny_verifier_source, tmp_path / "tiny-verifier")
+    (tmp_path / "prompts").mkdir()
+    write_prompts(tmp_path / "prompts", "train", 10)
+    write_prompts(tmp_path / "prompts", "heldout", 4)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(tiny_params("tiny-verifier"), sort_keys=False))
+    monkeypatch.chdir(tmp_path)
+    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "DVC_EXP_NAME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return tmp_path

@@ -1,0 +1,79 @@
+"""Hidden-state capture on a tiny random Llama: exactly HF's hidden_states at the configured ids, and targets
+lm_head(norm(h)) that reproduce the verifier's logits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from expman.extract import CaptureHooks, default_aux_layers
+
+
+@pytest.fixture(scope="module")
+def model(tiny_verifier_source: Path):
+    return AutoModelForCausalLM.from_pretrained(tiny_verifier_source, dtype=torch.float32).eval()
+
+
+def _batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(5, vocab, (3, 17), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[1, 11:] = 0  # right padding, as extract batches
+    mask[2, 5:] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("aux_layers", [[2, 3, 4], [0, 1, 5], [5, 2, 1]])
+def test_aux_states_equal_hf_hidden_states(model, aux_layers: list[int]) -> None:
+    ids, mask = _batch(model.config.vocab_size)
+    capture = CaptureHooks(model, aux_layers, "pre_norm")
+    with torch.inference_mode():
+        aux, _ = capture(ids, mask)
+        reference = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+    capture.remove()
+    hidden = model.config.hidden_size
+    for slot, layer in enumerate(aux_layers):
+        got = aux[..., slot * hidden : (slot + 1) * hidden]
+        for row in range(ids.shape[0]):
+            valid = mask[row].bool()
+            torch.testing.assert_close(got[row, valid], reference[layer][row, valid], rtol=0, atol=1e-6)
+            # the neighbouring index is a different state: an off-by-one would be caught
+            assert not torch.allclose(got[row, valid], reference[layer + 1][row, valid], atol=1e-3)
+
+
+def test_pre_norm_final_state_reproduces_logits(model) -> None:
+    ids, mask = _batch(model.config.vocab_size)
+    capture = CaptureHooks(model, default_aux_layers(model.config.num_hidden_layers), "pre_norm")
+    with torch.inference_mode():
+        _, final = capture(ids, mask)
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        rebuilt = model.lm_head(model.model.norm(final))
+        double_normed = model.lm_head(model.model.norm(model.model.norm(final)))
+    capture.remove()
+    valid = mask.bool()
+    torch.testing.assert_close(rebuilt[valid], logits[valid], rtol=0, atol=1e-5)
+    assert not torch.allclose(double_normed[valid], logits[valid], atol=1e-3)
+
+
+def test_post_norm_final_state_is_hf_last_hidden_state(model) -> None:
+    ids, mask = _batch(model.config.vocab_size)
+    capture = CaptureHooks(model, [1, 2, 3], "post_norm")
+    with torch.inference_mode():
+        _, final = capture(ids, mask)
+        reference = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-1]
+        logits = model(input_ids=ids, attention_mask=mask).logits
+    capture.remove()
+    valid = mask.bool()
+    torch.testing.assert_close(final[valid], reference[valid], rtol=0, atol=1e-6)
+    with torch.inference_mode():
+        relogits = model.lm_head(final)
+    torch.testing.assert_close(relogits[valid], logits[valid], rtol=0, atol=1e-5)
+
+
+def test_default_aux_layers_match_vllm_convention() -> None:
+    assert default_aux_layers(30) == [2, 15, 27]
+    assert default_aux_layers(32) == [2, 16, 29]
+    assert default_aux_layers(61) == [2, 30, 58]

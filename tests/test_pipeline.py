@@ -1,0 +1,201 @@
+"""The data half of the graph on the tiny verifier: outputs, MLflow lineage, resume after a crash, checksums."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from expman import extract as extract_module
+from expman import paths
+from expman.errors import ExpmanError
+from expman.extract import extract, load_shard
+from expman.generate import generate, read_responses
+from expman.params import load_params
+from expman.verifier import prepare
+from expman.vocab import vocab
+
+
+def run_until(stage: str) -> None:
+    params = load_params("params.yaml")
+    prepare(params, paths.VERIFIER)
+    if stage == "prepare":
+        return
+    generate(params, paths.VERIFIER, paths.GENERATED)
+    if stage == "generate":
+        return
+    extract(params, paths.VERIFIER, paths.GENERATED, paths.EXTRACT)
+    if stage == "extract":
+        return
+    vocab(params, paths.GENERATED, paths.VOCAB)
+
+
+def snapshot(project: Path) -> dict[str, object]:
+    """Shard bytes and the manifest minus its provenance (run id, argv and time differ between runs)."""
+    manifest = json.loads((project / paths.EXTRACT / "manifest.json").read_text())
+    manifest.pop("provenance")
+    shard_dir = project / manifest["shard_dir"]
+    return {"manifest": manifest, **{p.name: p.read_bytes() for p in sorted(shard_dir.glob("*.safetensors"))}}
+
+
+def test_outputs_and_mlflow_lineage(project: Path) -> None:
+    run_until("vocab")
+    manifests = {
+        stage: json.loads((project / folder / "manifest.json").read_text())
+        for stage, folder in [
+            ("prepare", paths.VERIFIER),
+            ("generate", paths.GENERATED),
+            ("extract", paths.EXTRACT),
+            ("vocab", paths.VOCAB),
+        ]
+    }
+    facts = manifests["prepare"]["verifier"]
+    assert (
+        facts["num_hidden_layers"] == 8 and facts["hidden_size"] == 32 and facts["architecture"] == "LlamaForCausalLM"
+    )
+    assert facts["tokenizer_sha256"] and facts["chat_template_sha256"]
+    assert sorted(p.name for p in (project / paths.VERIFIER).iterdir()) == [
+        "chat_template.jinja",
+        "config.json",
+        "generation_config.json",
+        "manifest.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    generated = manifests["generate"]["splits"]
+    assert generated["train"]["records"] == 10 and generated["heldout"]["records"] == 4
+    contract = manifests["extract"]["contract"]
+    assert contract["aux_layers"] == [2, 4, 5]  # [2, N//2, N-3] with N = 8
+    assert contract["layer_convention"] == "hf_hidden_states" and contract["final_state"] == "pre_norm"
+
+    # every shard holds exactly the verifier's own token ids, masks the generated part, 3H + H bf16 states
+    records = {r["id"]: r for r in read_responses(paths.GENERATED, "train")}
+    extract_manifest = manifests["extract"]
+    for index, entry in enumerate(extract_manifest["shards"]):
+        tensors = load_shard(extract_manifest, index)
+        offsets = tensors["sample_offsets"].tolist()
+        assert tensors["aux_hidden_states"].shape == (offsets[-1], 3 * 32)
+        assert tensors["final_hidden_states"].dtype == torch.bfloat16
+        ids = json.loads(_metadata(project / extract_manifest["shard_dir"] / entry["path"])["expman"])["sample_ids"]
+        for k, sample_id in enumerate(ids):
+            record = records[sample_id]
+            span = slice(offsets[k], offsets[k + 1])
+            assert tensors["input_ids"][span].tolist() == record["input_ids"]
+            assert int(tensors["loss_mask"][span].sum()) == record["response_tokens"]
+            assert not tensors["loss_mask"][span][: record["prompt_tokens"]].any()
+    assert extract_manifest["totals"]["loss_tokens"] == generated["train"]["response_tokens"]
+
+    # vocab: d2t offsets map draft ids onto exactly the t2d ids
+    vocab_tensors = load_file(str(project / paths.VOCAB / "vocab.safetensors"))
+    d2t, t2d = vocab_tensors["d2t"], vocab_tensors["t2d"]
+    assert d2t.dtype == torch.int64 and t2d.dtype == torch.bool and int(t2d.sum()) == 64
+    assert torch.equal(torch.arange(64) + d2t, torch.nonzero(t2d).flatten())
+    metrics = json.loads((project / paths.VOCAB / "metrics.json").read_text())
+    assert 0 < metrics["coverage_heldout"] <= metrics["coverage_train"] <= 1
+
+    # MLflow: one run per stage, tagged, each pointing at the runs that produced its inputs
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{project / 'mlflow.db'}")
+    runs = {
+        r.data.tags["expman.stage"]: r for r in mlflow.search_runs(search_all_experiments=True, output_format="list")
+    }
+    assert set(runs) == {"prepare", "generate", "extract", "vocab"}
+    for stage, manifest in manifests.items():
+        assert manifest["provenance"]["mlflow_run_id"] == runs[stage].info.run_id
+        assert runs[stage].info.status == "FINISHED"
+        assert runs[stage].data.tags["git.sha"]
+    tags = runs["extract"].data.tags
+    assert tags["expman.upstream.generate.run_id"] == runs["generate"].info.run_id
+    assert tags["expman.upstream.prepare.run_id"] == runs["prepare"].info.run_id
+    assert runs["vocab"].data.tags["expman.upstream.generate.run_id"] == runs["generate"].info.run_id
+    assert f"runs/{runs['generate'].info.run_id}" in tags["mlflow.note.content"]
+    assert runs["vocab"].data.metrics["coverage_train"] == metrics["coverage_train"]
+    assert not (project / "mlruns").exists()
+
+
+def _metadata(path: Path) -> dict[str, str]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as handle:
+        return handle.metadata()
+
+
+def test_extract_resumes_after_crash_with_identical_output(project: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run_until("extract")
+    uninterrupted = snapshot(project)
+    shard_dir = project / "data/extract/shards"
+    assert len(uninterrupted) - 1 == 4  # 10 samples, 3 per shard
+    shutil.rmtree(shard_dir)
+    (project / paths.EXTRACT / "manifest.json").unlink()
+
+    real = extract_module._extract_shard
+    calls = []
+
+    def crash_on_third(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            (shard_dir / ".shard-00002.safetensors.partial.tmp").write_bytes(b"half")  # what a kill leaves
+            (shard_dir / "shard-00002.safetensors").write_bytes(b"torn")  # a shard without its sidecar
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(extract_module, "_extract_shard", crash_on_third)
+    params = load_params("params.yaml")
+    with pytest.raises(KeyboardInterrupt):
+        extract(params, paths.VERIFIER, paths.GENERATED, paths.EXTRACT)
+    assert not (project / paths.EXTRACT / "manifest.json").exists()
+    assert len(list(shard_dir.glob("*.done.json"))) == 2
+
+    calls.clear()
+    monkeypatch.setattr(extract_module, "_extract_shard", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    extract(params, paths.VERIFIER, paths.GENERATED, paths.EXTRACT)
+    assert len(calls) == 2  # only the torn shard and the one never started
+    assert snapshot(project) == uninterrupted
+
+
+def test_corrupted_or_foreign_shard_is_detected(project: Path) -> None:
+    run_until("extract")
+    manifest = json.loads((project / paths.EXTRACT / "manifest.json").read_text())
+    shard_dir = project / manifest["shard_dir"]
+    first, second = (shard_dir / manifest["shards"][i]["path"] for i in (0, 1))
+    data = bytearray(first.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    first.write_bytes(bytes(data))
+    with pytest.raises(ExpmanError, match=r"shard-00000\.safetensors: checksum mismatch"):
+        load_shard(manifest, 0)
+    shutil.copy(second, first)  # a valid shard, but not the one the manifest lists
+    with pytest.raises(ExpmanError, match="checksum mismatch"):
+        load_shard(manifest, 0)
+    second.unlink()
+    with pytest.raises(ExpmanError, match=r"shard-00001\.safetensors: shard listed in the manifest is missing"):
+        load_shard(manifest, 1)
+
+
+def test_generate_redoes_only_unfinished_shards(project: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run_until("generate")
+    train = project / paths.GENERATED / "train"
+    before = {p.name: p.read_bytes() for p in train.glob("*.jsonl")}
+    (train / "shard-00001.jsonl.done.json").unlink()
+    from expman import generate as generate_module
+
+    calls = []
+    real = generate_module._regenerate
+    monkeypatch.setattr(generate_module, "_regenerate", lambda *a: (calls.append(len(a[1])), real(*a))[1])
+    generate(load_params("params.yaml"), paths.VERIFIER, paths.GENERATED)
+    assert calls == [4]
+    assert {p.name: p.read_bytes() for p in train.glob("*.jsonl")} == before
+
+
+def test_aux_layer_beyond_the_verifier_is_refused_before_loading(project: Path) -> None:
+    run_until("generate")
+    text = (project / "params.yaml").read_text().replace("extract:", "extract:\n  aux_layers: [2, 3, 8]")
+    (project / "params.yaml").write_text(text)
+    with pytest.raises(ExpmanError, match=r"extract\.aux_layers: \[2, 3, 8\] exceeds 7"):
+        extract(load_params("params.yaml"), paths.VERIFIER, paths.GENERATED, paths.EXTRACT)
+    assert not (project / paths.EXTRACT).exists()

@@ -1,0 +1,49 @@
+"""Project structure rules: the library never imports stages, dvc.yaml writes where expman.paths says,
+and the CLI starts without the heavy libraries."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from expman import paths
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_library_never_imports_stages() -> None:
+    for path in (REPO / "expman").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            assert not any(n == "stages" or n.startswith("stages.") for n in names), path
+
+
+def test_dvc_outputs_are_the_library_paths() -> None:
+    stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+    outs = {
+        stage: [next(iter(o)) if isinstance(o, dict) else o for o in spec.get("outs", [])]
+        for stage, spec in stages.items()
+    }
+    assert outs["prepare"] == [str(paths.VERIFIER)]
+    assert outs["generate"] == [str(paths.GENERATED)]
+    assert outs["extract"] == [str(paths.EXTRACT / "manifest.json")]
+    assert outs["vocab"] == [str(paths.VOCAB / "vocab.safetensors"), str(paths.VOCAB / "manifest.json")]
+    for stage, spec in stages.items():
+        assert spec["params"] == [stage], "each stage declares only its own section"
+        assert f"stages/{stage}.py" in spec["deps"]
+
+
+def test_help_does_not_import_heavy_libraries() -> None:
+    code = (
+        "import sys; from click.testing import CliRunner; from expman.cli import main; "
+        "r = CliRunner().invoke(main, ['--help']); assert r.exit_code == 0; "
+        "print(sorted(m for m in ('torch', 'mlflow', 'transformers', 'vllm', 'sqlalchemy') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
