@@ -21,7 +21,7 @@ from expman.provenance import atomic_write_json, provenance, read_manifest, sha2
 from expman.shards import ShardSet, verify_shard
 from expman.tracking import stage_run
 
-__all__ = ["CaptureHooks", "capture_contract", "default_aux_layers", "extract", "load_shard"]
+__all__ = ["CaptureHooks", "capture_contract", "default_aux_layers", "extract", "extract_shard", "load_shard"]
 
 LAYER_CONVENTION = "hf_hidden_states"  # 0 = embeddings, i = output of decoder layer i-1 (= vLLM/speculators ids)
 TENSORS = {
@@ -104,7 +104,7 @@ def _batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
     return batches
 
 
-def _extract_shard(capture: CaptureHooks, samples: list[dict[str, Any]], section: ExtractParams, device: str) -> dict:
+def extract_shard(capture: CaptureHooks, samples: list[dict[str, Any]], section: ExtractParams, device: str) -> dict:
     import torch
 
     lengths = [len(s["ids"]) for s in samples]
@@ -187,7 +187,7 @@ def extract(params: Params, verifier_dir: Path, generated_dir: Path, out_dir: Pa
                     if capture is None:
                         model = load_verifier(verifier_dir, device, resolve_dtype(section.dtype, device))
                         capture = CaptureHooks(model, contract["aux_layers"], section.final_state)
-                    tensors = _extract_shard(capture, chunk, section, device)
+                    tensors = extract_shard(capture, chunk, section, device)
                     # one metadata key: safetensors writes the metadata map in no fixed order
                     metadata = {"expman": json.dumps({"key": key, "sample_ids": [s["id"] for s in chunk]})}
                     entry = shards.write(

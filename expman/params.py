@@ -114,7 +114,7 @@ class GenerateParams(Section):
     """0 = greedy (reproducible)."""
     seed: int = 0
     batch_size: PositiveInt = 48
-    shard_size: PositiveInt = 64
+    shard_size: PositiveInt = 96
     """Conversations per response shard; a killed run redoes at most one shard."""
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Passed to the chat template, e.g. ``{enable_thinking: true}`` for reasoning templates."""

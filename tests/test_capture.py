@@ -77,3 +77,17 @@ def test_default_aux_layers_match_vllm_convention() -> None:
     assert default_aux_layers(30) == [2, 15, 27]
     assert default_aux_layers(32) == [2, 16, 29]
     assert default_aux_layers(61) == [2, 30, 58]
+
+
+@pytest.mark.gpu
+def test_capture_on_cuda_matches_cpu(tiny_verifier_source: Path) -> None:
+    cpu = AutoModelForCausalLM.from_pretrained(tiny_verifier_source, dtype=torch.float32).eval()
+    gpu = AutoModelForCausalLM.from_pretrained(tiny_verifier_source, dtype=torch.bfloat16).cuda().eval()
+    ids, mask = _batch(cpu.config.vocab_size)
+    layers = default_aux_layers(cpu.config.num_hidden_layers)
+    with torch.inference_mode():
+        aux_cpu, final_cpu = CaptureHooks(cpu, layers, "pre_norm")(ids, mask)
+        aux_gpu, final_gpu = CaptureHooks(gpu, layers, "pre_norm")(ids.cuda(), mask.cuda())
+    valid = mask.bool()
+    torch.testing.assert_close(aux_gpu.float().cpu()[valid], aux_cpu[valid], rtol=0.05, atol=0.05)
+    torch.testing.assert_close(final_gpu.float().cpu()[valid], final_cpu[valid], rtol=0.05, atol=0.05)

@@ -134,7 +134,7 @@ def test_extract_resumes_after_crash_with_identical_output(project: Path, monkey
     shutil.rmtree(shard_dir)
     (project / paths.EXTRACT / "manifest.json").unlink()
 
-    real = extract_module._extract_shard
+    real = extract_module.extract_shard
     calls = []
 
     def crash_on_third(*args, **kwargs):
@@ -145,7 +145,7 @@ def test_extract_resumes_after_crash_with_identical_output(project: Path, monkey
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(extract_module, "_extract_shard", crash_on_third)
+    monkeypatch.setattr(extract_module, "extract_shard", crash_on_third)
     params = load_params("params.yaml")
     with pytest.raises(KeyboardInterrupt):
         extract(params, paths.VERIFIER, paths.GENERATED, paths.EXTRACT)
@@ -153,7 +153,7 @@ def test_extract_resumes_after_crash_with_identical_output(project: Path, monkey
     assert len(list(shard_dir.glob("*.done.json"))) == 2
 
     calls.clear()
-    monkeypatch.setattr(extract_module, "_extract_shard", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    monkeypatch.setattr(extract_module, "extract_shard", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
     extract(params, paths.VERIFIER, paths.GENERATED, paths.EXTRACT)
     assert len(calls) == 2  # only the torn shard and the one never started
     assert snapshot(project) == uninterrupted

@@ -47,3 +47,9 @@ def test_help_does_not_import_heavy_libraries() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    command = (REPO / ".ci/run").read_text().strip().splitlines()[-1]
+    assert command.endswith("&& pytest")
+    assert f"```bash\n{command}\n```" in (REPO / "README.md").read_text()
