@@ -162,7 +162,8 @@ def extract(params: Params, verifier_dir: Path, generated_dir: Path, out_dir: Pa
     if generated_manifest["verifier"] != verifier_manifest["verifier"]:
         raise ExpmanError(f"{generated_dir / 'manifest.json'}: responses come from another verifier; rerun generate")
     contract = capture_contract(verifier_manifest["verifier"], section)
-    samples = _plan(read_responses(generated_dir, section.split), section.max_seq_len)
+    records = read_responses(generated_dir, section.split)
+    samples = _plan(records, section.max_seq_len)
     if not samples:
         raise ExpmanError(f"{generated_dir / 'manifest.json'}: no usable {section.split!r} responses to extract")
     upstream = {
@@ -217,6 +218,7 @@ def extract(params: Params, verifier_dir: Path, generated_dir: Path, out_dir: Pa
             "tokens": tokens,
             "loss_tokens": sum(e["loss_tokens"] for e in entries),
             "truncated": sum(s["truncated"] for s in samples),
+            "skipped_prompt_too_long": len(records) - len(samples),
         }
         metrics = {**totals, **{f"storage.{k}": v for k, v in storage.items()}}
         if computed_tokens:

