@@ -17,7 +17,7 @@ from typing import Any
 from expman.errors import ExpmanError
 from expman.generate import read_responses
 from expman.params import ExtractParams, Params
-from expman.provenance import atomic_write_json, provenance, read_manifest, sha256_json, upstream_entry
+from expman.provenance import read_manifest, sha256_json, upstream_entry
 from expman.shards import ShardSet, verify_shard
 from expman.tracking import stage_run
 
@@ -224,8 +224,7 @@ def extract(params: Params, verifier_dir: Path, generated_dir: Path, out_dir: Pa
         if computed_tokens:
             metrics["extract_tok_per_s"] = computed_tokens / elapsed
         run.log_metrics(metrics)
-        manifest = {
-            "stage": "extract",
+        facts = {
             "contract": contract,
             "contract_sha256": sha256_json(contract),
             "split": section.split,
@@ -233,11 +232,8 @@ def extract(params: Params, verifier_dir: Path, generated_dir: Path, out_dir: Pa
             "shards": entries,
             "totals": totals,
             "storage": storage,
-            "provenance": provenance(section.model_dump(), upstream, run.run_id),
         }
-        atomic_write_json(out_dir / "manifest.json", manifest)
-        run.log_artifact(out_dir / "manifest.json")
-    return manifest
+        return run.write_manifest(out_dir / "manifest.json", facts)
 
 
 def load_shard(manifest: dict[str, Any], index: int, verify: bool = True) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 from expman.conversations import Conversation, read_dataset
 from expman.errors import ExpmanError
 from expman.params import GenerateParams, Params
-from expman.provenance import atomic_write_json, provenance, read_manifest, sha256_json, upstream_entry
+from expman.provenance import read_manifest, sha256_json, upstream_entry
 from expman.shards import ShardSet, verify_shard
 from expman.tracking import stage_run
 
@@ -207,16 +207,8 @@ def generate(params: Params, verifier_dir: Path, out_dir: Path) -> dict[str, Any
         if new_tokens:
             metrics["generated_tok_per_s"] = new_tokens / elapsed
         run.log_metrics(metrics)
-        manifest = {
-            "stage": "generate",
-            "backend": section.backend,
-            "verifier": verifier_manifest["verifier"],
-            "splits": splits,
-            "provenance": provenance(section.model_dump(), upstream, run.run_id),
-        }
-        atomic_write_json(out_dir / "manifest.json", manifest)
-        run.log_artifact(out_dir / "manifest.json")
-    return manifest
+        facts = {"backend": section.backend, "verifier": verifier_manifest["verifier"], "splits": splits}
+        return run.write_manifest(out_dir / "manifest.json", facts)
 
 
 def read_responses(generated_dir: Path, split: str, verify: bool = True) -> list[dict[str, Any]]:

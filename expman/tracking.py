@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from expman.provenance import git_sha, sha256_file
+from expman.provenance import atomic_write_json, git_sha, provenance, sha256_file
 
 __all__ = ["StageRun", "default_tracking_uri", "serve_ui", "stage_run"]
 
@@ -41,11 +41,24 @@ def _flatten(params: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
 
 
 class StageRun:
-    """Handle on the active stage run: metrics and artifacts go through here."""
+    """Handle on the active stage run: metrics, artifacts and the stage's manifest go through here."""
 
-    def __init__(self, run_id: str, experiment_id: str):
+    def __init__(self, run_id: str, stage: str, params: Mapping[str, Any], upstream: Mapping[str, Any]):
         self.run_id = run_id
-        self.experiment_id = experiment_id
+        self.stage = stage
+        self.params = params
+        self.upstream = upstream
+
+    def write_manifest(self, path: Path, facts: Mapping[str, Any]) -> dict[str, Any]:
+        """Write the stage's manifest.json (facts + provenance with this run's id) atomically; log it here too."""
+        manifest = {
+            "stage": self.stage,
+            **facts,
+            "provenance": provenance(dict(self.params), dict(self.upstream), self.run_id),
+        }
+        atomic_write_json(path, manifest)
+        self.log_artifact(path)
+        return manifest
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         import mlflow
@@ -105,7 +118,7 @@ def stage_run(stage: str, params: Mapping[str, Any], upstream: Mapping[str, Mapp
     run_name = f"{os.environ['DVC_EXP_NAME']}/{stage}" if os.environ.get("DVC_EXP_NAME") else stage
     with mlflow.start_run(experiment_id=experiment_id, run_name=run_name, tags=tags) as run:
         mlflow.log_params(_flatten(params))
-        yield StageRun(run.info.run_id, experiment_id)
+        yield StageRun(run.info.run_id, stage, params, upstream)
 
 
 def serve_ui(host: str, port: int) -> None:

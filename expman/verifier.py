@@ -13,7 +13,7 @@ from typing import Any
 
 from expman.errors import ExpmanError
 from expman.params import Params, resolve_package_file
-from expman.provenance import atomic_dir, atomic_write_json, provenance, read_manifest, sha256_file
+from expman.provenance import atomic_dir, read_manifest, sha256_file
 from expman.tracking import stage_run
 
 __all__ = ["load_tokenizer", "load_verifier", "prepare", "resolve_device", "resolve_dtype", "verifier_facts"]
@@ -105,18 +105,17 @@ def prepare(params: Params, out_dir: Path) -> dict[str, Any]:
             model.save_pretrained(tmp, safe_serialization=True)
             tokenizer.save_pretrained(tmp)
             facts = verifier_facts(tmp)
-            manifest = {
-                "stage": "prepare",
-                "source": section.source,
-                "source_sha256": sha256_file(source) if source.is_file() else "",
-                "dtype": section.save_dtype,
-                "trust_remote_code": section.trust_remote_code,
-                "verifier": facts,
-                "provenance": provenance(section.model_dump(), {}, run.run_id),
-            }
-            atomic_write_json(tmp / "manifest.json", manifest)
+            manifest = run.write_manifest(
+                tmp / "manifest.json",
+                {
+                    "source": section.source,
+                    "source_sha256": sha256_file(source) if source.is_file() else "",
+                    "dtype": section.save_dtype,
+                    "trust_remote_code": section.trust_remote_code,
+                    "verifier": facts,
+                },
+            )
         run.log_metrics({"num_hidden_layers": facts["num_hidden_layers"], "hidden_size": facts["hidden_size"]})
-        run.log_artifact(out_dir / "manifest.json")
     return manifest
 
 

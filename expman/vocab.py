@@ -15,7 +15,7 @@ from typing import Any
 from expman.errors import ExpmanError
 from expman.generate import read_responses
 from expman.params import Params
-from expman.provenance import atomic_write, atomic_write_json, provenance, read_manifest, upstream_entry
+from expman.provenance import atomic_write, atomic_write_json, read_manifest, upstream_entry
 from expman.tracking import stage_run
 
 __all__ = ["build_vocab", "draft_vocab_size", "token_counts", "vocab"]
@@ -80,14 +80,10 @@ def vocab(params: Params, generated_dir: Path, out_dir: Path) -> dict[str, Any]:
         atomic_write(out_dir / "vocab.safetensors", lambda tmp: save_file(tensors, str(tmp)))
         atomic_write_json(out_dir / "metrics.json", metrics)
         run.log_metrics(metrics)
-        manifest = {
-            "stage": "vocab",
+        facts = {
             "draft_vocab_size": size,
             "target_vocab_size": vocab_size,
             "verifier": generated_manifest["verifier"],
             "metrics": metrics,
-            "provenance": provenance(section.model_dump(), upstream, run.run_id),
         }
-        atomic_write_json(out_dir / "manifest.json", manifest)
-        run.log_artifact(out_dir / "manifest.json")
-    return manifest
+        return run.write_manifest(out_dir / "manifest.json", facts)
