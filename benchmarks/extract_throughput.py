@@ -38,6 +38,15 @@ def _samples(vocab: int, count: int, length: int, seed: int) -> list[dict]:
     ]
 
 
+def _cpu_name() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.machine()
+
+
 def _time(fn, repeats: int) -> list[float]:
     times = []
     for _ in range(repeats):
@@ -108,7 +117,7 @@ def main(verifier: Path, samples: int, length: int, batch_tokens: int, repeats: 
     report = {
         "benchmark": "extract_throughput",
         "command": "python " + " ".join(sys.argv),
-        "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or platform.machine(),
+        "device": torch.cuda.get_device_name() if device == "cuda" else _cpu_name(),
         "cpu_threads": torch.get_num_threads(),
         "dtype": str(dtype),
         "model": {"layers": config.num_hidden_layers, "hidden": config.hidden_size, "vocab": config.vocab_size},
