@@ -1,0 +1,41 @@
+"""The vLLM generation backend gives the same greedy tokens as the HF backend (slow; needs `.[engine]`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from expman import paths
+from expman.generate import generate, read_responses
+from expman.params import load_params
+from expman.verifier import prepare
+from tests.conftest import write_prompts
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_vllm_and_hf_backends_agree_on_smollm2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("vllm")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "prompts").mkdir()
+    write_prompts(tmp_path / "prompts", "train", 6)
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params["generate"].update(datasets=[{"path": "prompts/train.jsonl"}], max_new_tokens=48)
+    outputs = {}
+    for backend in ("hf", "vllm"):
+        params["generate"]["backend"] = backend
+        Path("params.yaml").write_text(yaml.safe_dump(params))
+        loaded = load_params("params.yaml")
+        if backend == "hf":
+            prepare(loaded, paths.VERIFIER)
+        generate(loaded, paths.VERIFIER, paths.GENERATED / backend)
+        outputs[backend] = {r["id"]: r for r in read_responses(paths.GENERATED / backend, "train")}
+    assert outputs["hf"].keys() == outputs["vllm"].keys()
+    for record_id, hf in outputs["hf"].items():
+        vllm = outputs["vllm"][record_id]
+        assert vllm["prompt_tokens"] == hf["prompt_tokens"], record_id  # the same chat template ids
+        assert vllm["input_ids"] == hf["input_ids"], json.dumps([record_id, hf["messages"][-1]])
