@@ -1,0 +1,233 @@
+"""Drafter checkpoint formats: the canonical speculators format, the EAGLE/SGLang export, import of both, and a
+validator.
+
+speculators format: ``config.json`` with ``speculators_model_type: eagle3``, ``transformer_layer_config``,
+``speculators_config`` and aux ids in vLLM's convention; tensors ``fc``, ``layers.N.*``, ``norm``, ``lm_head``,
+``embed_tokens``, ``d2t``, ``t2d``. ``vllm serve <dir>`` loads it directly.
+
+EAGLE/SGLang format: a Llama config with ``architectures: [LlamaForCausalLMEagle3]``, ``draft_vocab_size`` and
+``eagle_config.eagle_aux_hidden_state_layer_ids``; tensors ``midlayer.*`` instead of ``layers.0.*``, no embedding.
+Its layer ids are written in the target engine's convention: ``vllm`` ids equal ours (HF ``hidden_states``
+ids), ``sglang`` ids are one lower (output-of-layer). The convention is recorded in ``expman_layer_convention``;
+an import without it must be told which convention the ids use: expman never guesses.
+
+Both formats set ``norm_before_residual`` explicitly: vLLM assumes True when it is missing, the trainers False.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from expman.drafter import DrafterConfig, Eagle3Drafter
+from expman.errors import ExpmanError
+from expman.provenance import atomic_dir
+
+__all__ = ["export_eagle", "load_drafter", "save_speculators", "validate_checkpoint"]
+
+Convention = Literal["vllm", "sglang"]
+CONVENTION_SHIFT = {"vllm": 0, "sglang": 1}  # our id = file id + shift
+EAGLE_ARCHITECTURE = "LlamaForCausalLMEagle3"
+
+
+def _state(model: Eagle3Drafter, first_layer_prefix: str, with_embedding: bool) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for name, tensor in model.state_dict().items():
+        if name.startswith("rotary_emb.") or (name == "embed_tokens.weight" and not with_embedding):
+            continue
+        if name.startswith("layers.0."):
+            name = first_layer_prefix + name.removeprefix("layers.0.")
+        tensors[name] = tensor.detach().contiguous().cpu()
+    return tensors
+
+
+def _write(folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    with atomic_dir(folder) as tmp:
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+
+
+def save_speculators(
+    model: Eagle3Drafter,
+    folder: Path,
+    verifier_name_or_path: str,
+    verifier_architectures: list[str],
+    speculative_tokens: int,
+) -> None:
+    """Write the canonical checkpoint (speculators format) to ``folder`` atomically."""
+    config = model.config
+    layer = {**config.layer, "architectures": ["LlamaForCausalLM"]}
+    _write(
+        folder,
+        {
+            "architectures": ["Eagle3Speculator"],
+            "speculators_model_type": "eagle3",
+            "draft_vocab_size": config.draft_vocab_size,
+            "target_hidden_size": config.layer["hidden_size"],
+            "eagle_aux_hidden_state_layer_ids": list(config.aux_layer_ids),
+            "norm_before_residual": config.norm_before_residual,
+            "embed_requires_grad": False,
+            "transformer_layer_config": layer,
+            "speculators_config": {
+                "algorithm": "eagle3",
+                "default_proposal_method": "greedy",
+                "proposal_methods": [
+                    {
+                        "proposal_type": "greedy",
+                        "speculative_tokens": speculative_tokens,
+                        "accept_tolerance": 0.0,
+                        "verifier_accept_k": 1,
+                    }
+                ],
+                "verifier": {"name_or_path": verifier_name_or_path, "architectures": verifier_architectures},
+            },
+            "expman_layer_convention": "vllm",
+        },
+        _state(model, "layers.0.", with_embedding=True),
+    )
+
+
+def export_eagle(model: Eagle3Drafter, folder: Path, convention: Convention) -> None:
+    """Write the EAGLE/SGLang format with aux ids in ``convention`` (vllm: as is; sglang: one lower)."""
+    config = model.config
+    ids = [i - CONVENTION_SHIFT[convention] for i in config.aux_layer_ids]
+    _write(
+        folder,
+        {
+            **config.layer,
+            "architectures": [EAGLE_ARCHITECTURE],
+            "num_hidden_layers": 1,
+            "draft_vocab_size": config.draft_vocab_size,
+            "target_hidden_size": config.layer["hidden_size"],
+            "norm_before_residual": config.norm_before_residual,
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
+            "expman_layer_convention": convention,
+        },
+        _state(model, "midlayer.", with_embedding=False),
+    )
+
+
+def _read(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise ExpmanError(f"{folder}: no config.json (not a drafter checkpoint folder)")
+    try:
+        config = json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ExpmanError(f"{config_file}: not valid JSON") from None
+    weights = sorted(folder.glob("*.safetensors"))
+    if not weights:
+        raise ExpmanError(f"{folder}: no .safetensors weights (pickle checkpoints are not loaded)")
+    tensors: dict[str, torch.Tensor] = {}
+    for path in weights:
+        try:
+            tensors.update(load_file(str(path)))
+        except Exception as err:  # safetensors raises its own error type for torn files
+            raise ExpmanError(f"{path}: unreadable safetensors ({type(err).__name__}: {err})") from None
+    return config, tensors
+
+
+def _to_canonical(config: dict[str, Any], tensors: dict, convention: Convention | None, folder: Path) -> tuple:
+    """(DrafterConfig, tensors named as Eagle3Drafter's state dict) from either format."""
+    if config.get("speculators_model_type") == "eagle3":
+        stated = config.get("expman_layer_convention", "vllm")  # speculators ids are vLLM's by definition
+        ids = config.get("eagle_aux_hidden_state_layer_ids")
+        layer = dict(config["transformer_layer_config"])
+    elif EAGLE_ARCHITECTURE in config.get("architectures", []) or any(k.startswith("midlayer.") for k in tensors):
+        stated = config.get("expman_layer_convention") or convention
+        ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or config.get(
+            "eagle_aux_hidden_state_layer_ids"
+        )
+        if stated is None:
+            raise ExpmanError(
+                f"{folder}/config.json: eagle_config.eagle_aux_hidden_state_layer_ids={ids} has no recorded "
+                "convention; pass layer_convention vllm (ids as captured before layer i) or sglang (output of layer i)"
+            )
+        layer = {k: v for k, v in config.items() if k not in ("eagle_config", "architectures", "draft_vocab_size")}
+        tensors = {
+            ("layers.0." + k.removeprefix("midlayer.") if k.startswith("midlayer.") else k): v
+            for k, v in tensors.items()
+        }
+    else:
+        raise ExpmanError(f"{folder}/config.json: neither speculators (speculators_model_type) nor EAGLE format")
+    if convention is not None and convention != stated:
+        raise ExpmanError(f"{folder}/config.json: layer ids are in the {stated} convention, not {convention}")
+    if not ids or len(ids) != 3:
+        raise ExpmanError(f"{folder}/config.json: eagle_aux_hidden_state_layer_ids must list 3 layer ids, got {ids}")
+    if "norm_before_residual" not in config:
+        raise ExpmanError(f"{folder}/config.json: norm_before_residual is missing (engines default it differently)")
+    keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size")
+    missing = [k for k in keys if k not in layer]
+    if missing:
+        raise ExpmanError(f"{folder}/config.json: layer config lacks {', '.join(missing)}")
+    layer.setdefault("head_dim", layer["hidden_size"] // layer["num_attention_heads"])
+    layer.setdefault("rms_norm_eps", 1e-6)
+    if "rope_parameters" not in layer:
+        layer["rope_parameters"] = {"rope_type": "default", "rope_theta": layer.get("rope_theta", 10000.0)}
+    layer.pop("rope_theta", None)
+    layer.pop("expman_layer_convention", None)
+    layer.pop("target_hidden_size", None)
+    layer.pop("norm_before_residual", None)
+    layer["num_hidden_layers"] = 1 + max((int(k.split(".")[1]) for k in tensors if k.startswith("layers.")), default=0)
+    drafter = DrafterConfig(
+        layer={k: v for k, v in layer.items() if k != "architectures"},
+        draft_vocab_size=int(config["draft_vocab_size"]),
+        aux_layer_ids=tuple(int(i) + CONVENTION_SHIFT[stated] for i in ids),
+        norm_before_residual=bool(config["norm_before_residual"]),
+    )
+    return drafter, tensors
+
+
+def validate_checkpoint(config: DrafterConfig, tensors: dict[str, torch.Tensor], where: str) -> None:
+    """Required tensors present with the shapes the config implies; vocab maps consistent."""
+    with torch.device("meta"):  # shapes only: no memory for a 1B-parameter drafter
+        expected = {name: tuple(t.shape) for name, t in Eagle3Drafter(config).state_dict().items()}
+    expected.pop("embed_tokens.weight")  # optional: engines take the verifier's
+    for name, shape in expected.items():
+        if name.startswith("rotary_emb."):
+            continue
+        if name not in tensors:
+            raise ExpmanError(f"{where}: tensor {name} is missing")
+        if tuple(tensors[name].shape) != shape:
+            raise ExpmanError(f"{where}: tensor {name} has shape {list(tensors[name].shape)}, expected {list(shape)}")
+    d2t, t2d = tensors["d2t"], tensors["t2d"]
+    if int(t2d.sum()) != config.draft_vocab_size:
+        raise ExpmanError(f"{where}: t2d marks {int(t2d.sum())} ids, draft_vocab_size is {config.draft_vocab_size}")
+    targets = torch.arange(config.draft_vocab_size) + d2t.long()
+    if targets.min() < 0 or targets.max() >= t2d.numel():
+        raise ExpmanError(f"{where}: d2t offsets map outside the target vocab of {t2d.numel()}")
+    if not torch.equal(targets.sort().values, torch.nonzero(t2d).flatten()):
+        raise ExpmanError(f"{where}: d2t and t2d disagree on the draft vocab")
+
+
+def load_drafter(
+    folder: Path, layer_convention: Convention | None = None, embedding: torch.Tensor | None = None
+) -> Eagle3Drafter:
+    """Load either format into an Eagle3Drafter (fp32), validated; ids converted to ours.
+
+    ``embedding`` (the verifier's input embedding) is required when the checkpoint omits ``embed_tokens``,
+    as EAGLE-format exports do.
+    """
+    config, tensors = _read(folder)
+    drafter_config, tensors = _to_canonical(config, tensors, layer_convention, folder)
+    validate_checkpoint(drafter_config, tensors, str(folder))
+    if "embed_tokens.weight" not in tensors:
+        if embedding is None:
+            raise ExpmanError(f"{folder}: embed_tokens is not in the checkpoint; load it with the verifier's embedding")
+        tensors["embed_tokens.weight"] = embedding
+    model = Eagle3Drafter(drafter_config)
+    tensors = {
+        k: v.to(torch.bool if k == "t2d" else torch.int64 if k == "d2t" else torch.float32) for k, v in tensors.items()
+    }
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    unexpected = [k for k in unexpected if not k.startswith(("verifier_", "input_norm"))]
+    if unexpected:
+        raise ExpmanError(f"{folder}: unexpected tensors {', '.join(sorted(unexpected)[:5])}")
+    return model
