@@ -1,0 +1,156 @@
+"""The EAGLE-3 training objective: targets from the verifier's head, the TTT loss, and per-step metrics.
+
+Alignment for a document x_0..x_{n-1} with aux states a_t and final states g_t (the verifier's logits at t
+predict x_{t+1}): at TTT step k, position t is fed token x_{t+1+k} and predicts x_{t+2+k}; its target is the
+verifier's distribution at t+1+k restricted to the draft vocab (soft cross-entropy). A position counts only if
+x_{t+2+k} is an assistant token of the same document and the verifier's top-1 there lies in the draft vocab.
+Tokens are teacher-forced: at inference a draft is only extended while every earlier draft was right, i.e. equal
+to these tokens. Hidden states are the drafter's own from step k-1, as at inference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.nn import functional as F
+
+from expman.drafter import Eagle3Drafter
+from expman.errors import ExpmanError
+
+__all__ = ["Packed", "VerifierHead", "simulated_tau", "ttt_loss"]
+
+
+@dataclass(frozen=True)
+class VerifierHead:
+    """The frozen verifier tensors training needs: input embedding, final norm, lm_head."""
+
+    embed: torch.Tensor
+    norm_weight: torch.Tensor
+    norm_eps: float
+    lm_head: torch.Tensor
+
+    @classmethod
+    def load(cls, model_dir: Path) -> VerifierHead:
+        """Read only these tensors from the verifier's safetensors (no full model load)."""
+        import json
+
+        from safetensors import safe_open
+
+        config = json.loads((model_dir / "config.json").read_text())
+        found: dict[str, torch.Tensor] = {}
+        wanted = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+        for path in sorted(model_dir.glob("*.safetensors")):
+            with safe_open(str(path), "pt") as handle:
+                for name in wanted & set(handle.keys()):
+                    found[name] = handle.get_tensor(name).float()
+        if "lm_head.weight" not in found and config.get("tie_word_embeddings"):
+            found["lm_head.weight"] = found.get("model.embed_tokens.weight")
+        for name in wanted:
+            if found.get(name) is None:
+                raise ExpmanError(f"{model_dir}: tensor {name} not found in the verifier's safetensors")
+        return cls(
+            found["model.embed_tokens.weight"],
+            found["model.norm.weight"],
+            float(config.get("rms_norm_eps", 1e-6)),
+            found["lm_head.weight"],
+        )
+
+    def to(self, device: str) -> VerifierHead:
+        return VerifierHead(self.embed.to(device), self.norm_weight.to(device), self.norm_eps, self.lm_head.to(device))
+
+    def logits(self, final_pre_norm: torch.Tensor) -> torch.Tensor:
+        """Full-vocab logits lm_head(norm(h)) from pre-norm final states [..., H] (computed in fp32)."""
+        h = final_pre_norm.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.norm_eps) * self.norm_weight
+        return h @ self.lm_head.T
+
+
+@dataclass(frozen=True)
+class Packed:
+    """Documents packed into one row: every tensor is [1, T] (aux [1, T, 3H], final [1, T, H])."""
+
+    aux: torch.Tensor
+    final: torch.Tensor
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    document_ids: torch.Tensor
+    position_ids: torch.Tensor
+
+    @classmethod
+    def of(cls, documents: list[dict[str, torch.Tensor]]) -> Packed:
+        """Pack documents given as dicts of input_ids, loss_mask, aux_hidden_states, final_hidden_states."""
+        document_ids = torch.cat([torch.full((len(d["input_ids"]),), i) for i, d in enumerate(documents)])
+        positions = torch.cat([torch.arange(len(d["input_ids"])) for d in documents])
+        return cls(
+            aux=torch.cat([d["aux_hidden_states"] for d in documents])[None],
+            final=torch.cat([d["final_hidden_states"] for d in documents])[None],
+            input_ids=torch.cat([d["input_ids"] for d in documents]).long()[None],
+            loss_mask=torch.cat([d["loss_mask"] for d in documents]).bool()[None],
+            document_ids=document_ids[None],
+            position_ids=positions[None],
+        )
+
+    def to(self, device: str) -> Packed:
+        return Packed(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
+
+
+def _ahead(x: torch.Tensor, n: int, fill: float | int | bool) -> torch.Tensor:
+    """x[:, t+n] at position t (dim 1), ``fill`` past the end."""
+    tail = x.new_full((x.shape[0], n, *x.shape[2:]), fill)
+    return torch.cat([x[:, n:], tail], dim=1)
+
+
+def simulated_tau(cond_acc: list[float], k: int) -> float:
+    """Expected tokens per verifier round with a chain of k drafts: 1 + Σ_j Π_{i<=j} cond_acc_i."""
+    tau, alive = 1.0, 1.0
+    for rate in cond_acc[:k]:
+        alive *= rate
+        tau += alive
+    return tau
+
+
+def ttt_loss(
+    drafter: Eagle3Drafter,
+    head: VerifierHead,
+    batch: Packed,
+    steps: int,
+    step_decay: float,
+    noise_std: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Σ_k decay^k · soft-CE_k over valid positions, plus per-step accuracy (full and conditional)."""
+    with torch.no_grad():
+        full = head.logits(batch.final[0])[None]  # [1, T, V]
+        top1 = full.argmax(-1)
+        target_probs = torch.softmax(full[..., drafter.t2d], dim=-1)
+    aux = batch.aux.float()
+    if noise_std:
+        aux = aux + (torch.rand(aux.shape, generator=generator, device="cpu").to(aux.device) * 2 - 1) * noise_std
+    inputs = [_ahead(batch.input_ids, 1 + k, 0) for k in range(steps)]
+    all_logits = drafter(aux, inputs, batch.position_ids, batch.document_ids)
+    loss = aux.new_zeros(())
+    metrics: dict[str, float] = {}
+    alive = torch.ones_like(batch.loss_mask)
+    for k, logits in enumerate(all_logits):
+        target_top1 = _ahead(top1, 1 + k, -1)
+        valid = (
+            _ahead(batch.loss_mask, 2 + k, False)
+            & (_ahead(batch.document_ids, 2 + k, -1) == batch.document_ids)
+            & drafter.t2d[target_top1.clamp(min=0)]
+        )
+        correct = drafter.draft_to_target(logits.argmax(-1)) == target_top1
+        count = int(valid.sum())
+        if count:
+            log_q = F.log_softmax(logits.float(), dim=-1)
+            step_loss = -(_ahead(target_probs, 1 + k, 0.0) * log_q).sum(-1)[valid].mean()
+            loss = loss + step_decay**k * step_loss
+            metrics[f"loss_{k}"] = float(step_loss.detach())
+        metrics[f"acc_{k}"] = float(correct[valid].float().mean()) if count else 0.0
+        conditional = valid & alive
+        metrics[f"cond_acc_{k}"] = float(correct[conditional].float().mean()) if conditional.any() else 0.0
+        metrics[f"positions_{k}"] = count
+        alive = alive & correct
+    metrics["loss"] = float(loss.detach())
+    return loss, metrics
