@@ -21,6 +21,7 @@ __all__ = [
     "GenerateParams",
     "Params",
     "PrepareParams",
+    "TrainParams",
     "VocabParams",
     "load_params",
     "resolve_package_file",
@@ -165,6 +166,35 @@ class VocabParams(Section):
     """Tokens in the draft lm_head; auto = verifier vocab // 6 rounded up to a multiple of 64."""
 
 
+class TrainParams(Section):
+    """train: EAGLE-3 drafter training with the TTT unroll over the extracted features."""
+
+    ttt_steps: PositiveInt = 3
+    """Unrolled draft steps per position (the chain length the drafter is trained for)."""
+    step_loss_decay: float = Field(default=0.8, gt=0.0, le=1.0)
+    """Weight of step k's loss is decay^k."""
+    noise_std: float = Field(default=0.05, ge=0.0)
+    """Uniform noise of this half-width added to the aux states (training only)."""
+    num_layers: PositiveInt = 1
+    epochs: PositiveInt = 4
+    lr: float = Field(default=3e-4, gt=0.0)
+    schedule: Literal["cosine", "linear"] = "cosine"
+    warmup_ratio: float = Field(default=0.02, ge=0.0, lt=1.0)
+    weight_decay: float = Field(default=0.01, ge=0.0)
+    grad_clip: float = Field(default=0.5, gt=0.0)
+    max_tokens: PositiveInt = 4096
+    """Tokens per packed batch (documents packed into one row, attention kept within each document)."""
+    val_fraction: float = Field(default=0.1, ge=0.0, lt=0.5)
+    """Share of samples held out for validation (chosen by a hash of the sample id, stable across runs)."""
+    seed: int = 0
+    log_every: PositiveInt = 10
+    checkpoint_every: PositiveInt = 50
+    """Optimizer steps between resume checkpoints (model, optimizer, scheduler, data position, RNG)."""
+    device: Device = "auto"
+    dtype: Dtype = "auto"
+    """auto: float32 on CPU, bfloat16 autocast on CUDA."""
+
+
 class Params(Section):
     """The whole params.yaml."""
 
@@ -172,6 +202,7 @@ class Params(Section):
     generate: GenerateParams
     extract: ExtractParams
     vocab: VocabParams
+    train: TrainParams
 
 
 def _dotted(loc: tuple[Any, ...]) -> str:

@@ -100,6 +100,7 @@ def tiny_params(source: str) -> dict:
         },
         "extract": {"samples_per_shard": 3, "batch_tokens": 256},
         "vocab": {"draft_vocab_size": 64},
+        "train": {"epochs": 2, "max_tokens": 160, "log_every": 2, "checkpoint_every": 3, "val_fraction": 0.2},
     }
 
 

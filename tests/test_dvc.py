@@ -60,7 +60,7 @@ def make_dvc_project(folder: Path, params: dict, train: int, heldout: int) -> Pa
 def check_graph(project: Path, new_vocab_size: int) -> None:
     dvc = [sys.executable, "-m", "dvc"]
     first = _run([*dvc, "repro"], project)
-    for stage in ("prepare", "generate", "extract", "vocab"):
+    for stage in ("prepare", "generate", "extract", "vocab", "train"):
         assert f"Running stage '{stage}'" in first.stdout
     _run(["git", "add", "-A"], project)
     _run(["git", "commit", "-qm", "first repro"], project)
@@ -71,6 +71,7 @@ def check_graph(project: Path, new_vocab_size: int) -> None:
 
     experiment = _run([*dvc, "exp", "run", "-S", f"vocab.draft_vocab_size={new_vocab_size}"], project)
     assert "Running stage 'vocab'" in experiment.stdout
+    assert "Running stage 'train'" in experiment.stdout  # depends on the vocab
     for stage in ("prepare", "generate", "extract"):
         assert f"Running stage '{stage}'" not in experiment.stdout
     metrics = json.loads((project / "data/vocab/metrics.json").read_text())
@@ -81,7 +82,7 @@ def check_graph(project: Path, new_vocab_size: int) -> None:
     mlflow.set_tracking_uri(f"sqlite:///{project / 'mlflow.db'}")
     runs = mlflow.search_runs(search_all_experiments=True, output_format="list")
     vocab_runs = [r for r in runs if r.data.tags["expman.stage"] == "vocab"]
-    assert len(vocab_runs) == 2 and len(runs) == 5
+    assert len(vocab_runs) == 2 and len(runs) == 7  # 5 stages, then vocab and train again
     assert any(r.data.tags.get("dvc.exp_name") for r in vocab_runs), "dvc exp runs carry their experiment name"
     assert not (project / "mlruns").exists()
 
@@ -99,6 +100,7 @@ def test_dvc_graph_on_smollm2(tmp_path: Path) -> None:
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     params["generate"].update(max_new_tokens=24, batch_size=8, shard_size=8)
     params["extract"].update(samples_per_shard=4)
+    params["train"].update(epochs=1, max_tokens=512, val_fraction=0.25)
     project = make_dvc_project(tmp_path, params, train=8, heldout=4)
     check_graph(project, new_vocab_size=4096)
     facts = json.loads((project / "models/verifier/manifest.json").read_text())["verifier"]

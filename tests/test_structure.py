@@ -34,6 +34,8 @@ def test_dvc_outputs_are_the_library_paths() -> None:
     assert outs["generate"] == [str(paths.GENERATED)]
     assert outs["extract"] == [str(paths.EXTRACT / "manifest.json")]
     assert outs["vocab"] == [str(paths.VOCAB / "vocab.safetensors"), str(paths.VOCAB / "manifest.json")]
+    assert outs["train"] == [str(paths.DRAFTER)]
+    assert stages["train"]["metrics"] == [{str(paths.TRAIN_METRICS): {"cache": False}}]
     for stage, spec in stages.items():
         assert spec["params"] == [stage], "each stage declares only its own section"
         assert f"stages/{stage}.py" in spec["deps"]

@@ -1,0 +1,298 @@
+"""train: train the EAGLE-3 drafter on the extracted features, with full resume, tracked in MLflow.
+
+Inputs are checked before any training: the extract manifest's shard checksums, and that the features, the
+vocab and the prepared verifier all describe the same verifier. Batches pack whole documents into one row of at
+most ``max_tokens``; the batch order is a pure function of (seed, epoch), so a resumed run replays exactly the
+batches an uninterrupted run would, and with the model, optimizer, scheduler and RNG restored it ends with
+bit-identical weights on CPU. The result is the canonical checkpoint (speculators format).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from expman.checkpoint import save_speculators
+from expman.drafter import DrafterConfig, Eagle3Drafter
+from expman.errors import ExpmanError
+from expman.extract import load_shard
+from expman.objective import Packed, VerifierHead, simulated_tau, ttt_loss
+from expman.params import Params, TrainParams
+from expman.provenance import atomic_write, atomic_write_json, read_manifest, sha256_json, upstream_entry
+from expman.tracking import stage_run
+
+__all__ = ["SampleRef", "batch_plan", "train"]
+
+VAL_EPOCH = 1_000_000  # the validation batches' seed slot, apart from every training epoch
+
+
+@dataclass(frozen=True)
+class SampleRef:
+    """One document inside one extract shard."""
+
+    shard: int
+    index: int
+    sample_id: str
+    length: int
+
+
+def _is_val(sample_id: str, fraction: float) -> bool:
+    digest = hashlib.sha256(sample_id.encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
+def index_samples(manifest: dict[str, Any]) -> list[SampleRef]:
+    """Every document of every shard (ids from the shard metadata, lengths from its offsets), no tensor load."""
+    from safetensors import safe_open
+
+    refs = []
+    folder = Path(manifest["shard_dir"])
+    for shard, entry in enumerate(manifest["shards"]):
+        path = folder / entry["path"]
+        if not path.is_file():
+            raise ExpmanError(f"{path}: shard listed in the manifest is missing; rerun `dvc repro -f extract`")
+        with safe_open(str(path), "pt") as handle:
+            ids = json.loads(handle.metadata()["expman"])["sample_ids"]
+            offsets = handle.get_tensor("sample_offsets").tolist()
+        refs.extend(SampleRef(shard, i, sample_id, offsets[i + 1] - offsets[i]) for i, sample_id in enumerate(ids))
+    return refs
+
+
+def batch_plan(refs: list[SampleRef], max_tokens: int, seed: int, epoch: int) -> list[list[SampleRef]]:
+    """The epoch's batches: shards in a seeded order, documents shuffled within each shard, packed greedily."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    by_shard: dict[int, list[SampleRef]] = {}
+    for ref in refs:
+        by_shard.setdefault(ref.shard, []).append(ref)
+    batches: list[list[SampleRef]] = []
+    for shard in [sorted(by_shard)[i] for i in torch.randperm(len(by_shard), generator=generator).tolist()]:
+        current, used = [], 0
+        for ref in [by_shard[shard][i] for i in torch.randperm(len(by_shard[shard]), generator=generator).tolist()]:
+            length = min(ref.length, max_tokens)
+            if current and used + length > max_tokens:
+                batches.append(current)
+                current, used = [], 0
+            current.append(ref)
+            used += length
+        if current:
+            batches.append(current)
+    return batches
+
+
+class ShardCache:
+    """Loads one shard at a time (batches are grouped by shard); each shard's checksum is verified once."""
+
+    def __init__(self, manifest: dict[str, Any]):
+        self.manifest = manifest
+        self.verified: set[int] = set()
+        self.current: tuple[int, dict[str, torch.Tensor]] | None = None
+
+    def document(self, ref: SampleRef, max_tokens: int) -> dict[str, torch.Tensor]:
+        if self.current is None or self.current[0] != ref.shard:
+            tensors = load_shard(self.manifest, ref.shard, verify=ref.shard not in self.verified)
+            self.verified.add(ref.shard)
+            self.current = (ref.shard, tensors)
+        tensors = self.current[1]
+        start = int(tensors["sample_offsets"][ref.index])
+        end = min(int(tensors["sample_offsets"][ref.index + 1]), start + max_tokens)
+        names = ("input_ids", "loss_mask", "aux_hidden_states", "final_hidden_states")
+        return {name: tensors[name][start:end] for name in names}
+
+
+def _schedule(section: TrainParams, total_steps: int) -> Any:
+    warmup = max(1, int(section.warmup_ratio * total_steps))
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        return 0.5 * (1 + math.cos(math.pi * progress)) if section.schedule == "cosine" else 1 - progress
+
+    return factor
+
+
+def _new_drafter(
+    verifier_dir: Path, head: VerifierHead, contract: dict, vocab: dict, section: TrainParams
+) -> Eagle3Drafter:
+    verifier_config = json.loads((verifier_dir / "config.json").read_text())
+    config = DrafterConfig.from_verifier(
+        verifier_config, int(vocab["d2t"].numel()), contract["aux_layers"], num_layers=section.num_layers
+    )
+    torch.manual_seed(section.seed)
+    drafter = Eagle3Drafter(config)
+    with torch.no_grad():
+        drafter.embed_tokens.weight.copy_(head.embed)
+        drafter.d2t.copy_(vocab["d2t"])
+        drafter.t2d.copy_(vocab["t2d"])
+        drafter.lm_head.weight.copy_(head.lm_head[vocab["t2d"]])  # start from the verifier's own rows
+    return drafter
+
+
+def _check_inputs(verifier: dict, extract: dict, vocab: dict, paths: tuple[Path, Path, Path]) -> None:
+    if extract["contract"]["verifier"] != verifier["verifier"]:
+        raise ExpmanError(f"{paths[1]}: features were captured from another verifier than {paths[0]}")
+    if vocab["verifier"] != verifier["verifier"]:
+        raise ExpmanError(f"{paths[2]}: the vocab was built for another verifier than {paths[0]}")
+    if extract["contract"]["final_state"] != "pre_norm":
+        raise ExpmanError(f"{paths[1]}: train needs pre_norm final states (extract.final_state)")
+
+
+def _evaluate(drafter, head, cache, batches, section, device) -> dict[str, float]:
+    totals: dict[str, float] = {}
+    weights: dict[str, float] = {}
+    drafter.eval()
+    with torch.no_grad():
+        for refs in batches:
+            batch = Packed.of([cache.document(r, section.max_tokens) for r in refs]).to(device)
+            _, metrics = ttt_loss(drafter, head, batch, section.ttt_steps, section.step_loss_decay)
+            for k in range(section.ttt_steps):
+                for name in (f"loss_{k}", f"acc_{k}", f"cond_acc_{k}"):
+                    if name in metrics:
+                        totals[name] = totals.get(name, 0.0) + metrics[name] * metrics[f"positions_{k}"]
+                        weights[name] = weights.get(name, 0.0) + metrics[f"positions_{k}"]
+    drafter.train()
+    result = {name: totals[name] / weights[name] for name in totals if weights[name]}
+    cond = [result.get(f"cond_acc_{k}", 0.0) for k in range(section.ttt_steps)]
+    for k in range(1, section.ttt_steps + 1):
+        result[f"sim_tau_k{k}"] = simulated_tau(cond, k)
+    return result
+
+
+def train(
+    params: Params,
+    verifier_dir: Path,
+    extract_dir: Path,
+    vocab_dir: Path,
+    out_dir: Path,
+    state_dir: Path,
+    metrics_path: Path,
+) -> dict[str, Any]:
+    """Train (or resume) the drafter; write the speculators-format checkpoint and manifest to ``out_dir``,
+    held-out metrics to ``metrics_path``; resume state lives in ``state_dir``."""
+    from safetensors.torch import load_file
+    from tqdm import tqdm
+
+    from expman.verifier import resolve_device
+
+    section = params.train
+    manifests = {
+        "prepare": (verifier_dir / "manifest.json", read_manifest(verifier_dir / "manifest.json", "prepare")),
+        "extract": (extract_dir / "manifest.json", read_manifest(extract_dir / "manifest.json", "extract")),
+        "vocab": (vocab_dir / "manifest.json", read_manifest(vocab_dir / "manifest.json", "vocab")),
+    }
+    _check_inputs(*(m for _, m in manifests.values()), tuple(p for p, _ in manifests.values()))
+    extract_manifest = manifests["extract"][1]
+    contract = extract_manifest["contract"]
+    refs = index_samples(extract_manifest)
+    train_refs = [r for r in refs if not _is_val(r.sample_id, section.val_fraction)]
+    val_refs = [r for r in refs if _is_val(r.sample_id, section.val_fraction)]
+    if not train_refs:
+        raise ExpmanError(f"{extract_dir / 'manifest.json'}: no training samples left after the validation split")
+    device = resolve_device(section.device)
+    head = VerifierHead.load(verifier_dir)
+    vocab = load_file(str(vocab_dir / "vocab.safetensors"))
+    drafter = _new_drafter(verifier_dir, head, contract, vocab, section).to(device)
+    head = head.to(device)
+    trainable = [p for p in drafter.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=section.lr, betas=(0.9, 0.95), weight_decay=section.weight_decay)
+    steps_per_epoch = len(batch_plan(train_refs, section.max_tokens, section.seed, 0))
+    total_steps = steps_per_epoch * section.epochs
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(section, total_steps))
+    noise = torch.Generator().manual_seed(section.seed)
+    upstream = {name: upstream_entry(path, manifest) for name, (path, manifest) in manifests.items()}
+    plan_key = sha256_json(
+        {"params": section.model_dump(), "upstream": {k: v["manifest_sha256"] for k, v in upstream.items()}}
+    )
+    step = _resume(state_dir, plan_key, drafter, optimizer, scheduler, noise)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" and section.dtype != "float32" else None
+    cache = ShardCache(extract_manifest)
+    val_batches = batch_plan(val_refs, section.max_tokens, section.seed, VAL_EPOCH) if val_refs else []
+    with stage_run("train", section.model_dump(), upstream) as run:
+        drafter.train()
+        window: list[dict[str, float]] = []
+        final: dict[str, float] = {}
+        tokens, started = 0, time.perf_counter()
+        with tqdm(total=total_steps, initial=step, desc="train", unit="step") as bar:
+            for epoch in range(step // steps_per_epoch, section.epochs):
+                batches = batch_plan(train_refs, section.max_tokens, section.seed, epoch)
+                for refs in batches[step - epoch * steps_per_epoch :]:
+                    batch = Packed.of([cache.document(r, section.max_tokens) for r in refs]).to(device)
+                    with autocast or nullcontext():
+                        loss, metrics = ttt_loss(
+                            drafter, head, batch, section.ttt_steps, section.step_loss_decay, section.noise_std, noise
+                        )
+                    optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                    metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(trainable, section.grad_clip))
+                    optimizer.step()
+                    scheduler.step()
+                    step += 1
+                    tokens += batch.input_ids.numel()
+                    window.append(metrics)
+                    bar.update(1)
+                    if step % section.log_every == 0 or step == total_steps:
+                        averaged = {k: sum(m.get(k, 0.0) for m in window) / len(window) for k in window[-1]}
+                        cond = [averaged.get(f"cond_acc_{k}", 0.0) for k in range(section.ttt_steps)]
+                        for k in range(1, section.ttt_steps + 1):
+                            averaged[f"sim_tau_k{k}"] = simulated_tau(cond, k)
+                        averaged = {f"train/{k}": v for k, v in averaged.items()}
+                        averaged["lr"] = scheduler.get_last_lr()[0]
+                        averaged["tok_per_s"] = tokens / (time.perf_counter() - started)
+                        run.log_metrics(averaged, step=step)
+                        window = []
+                    if step % section.checkpoint_every == 0 or step == total_steps:
+                        _save_state(state_dir, plan_key, step, drafter, optimizer, scheduler, noise)
+                if val_batches:
+                    final = _evaluate(drafter, head, cache, val_batches, section, device)
+                    run.log_metrics({f"val/{k}": v for k, v in final.items()}, step=step)
+        if val_batches and not final:  # resumed after the last epoch had ended
+            final = _evaluate(drafter, head, cache, val_batches, section, device)
+        save_speculators(
+            drafter.cpu(),
+            out_dir,
+            str(verifier_dir),
+            [manifests["prepare"][1]["verifier"]["architecture"]],
+            speculative_tokens=section.ttt_steps,
+        )
+        metrics = {"train_samples": len(train_refs), "val_samples": len(val_refs), "steps": step, **final}
+        atomic_write_json(metrics_path, metrics)
+        facts = {"contract": contract, "draft_vocab_size": drafter.config.draft_vocab_size, "metrics": metrics}
+        return run.write_manifest(out_dir / "manifest.json", facts)
+
+
+def _save_state(state_dir: Path, plan_key: str, step: int, drafter, optimizer, scheduler, noise) -> None:
+    """Everything a resume needs, written atomically (read back with ``weights_only=True``: no pickle code)."""
+    state = {
+        "plan_key": plan_key,
+        "step": step,
+        "model": {k: v for k, v in drafter.state_dict().items() if k != "embed_tokens.weight"},
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "torch_rng": torch.get_rng_state(),
+        "noise_rng": noise.get_state(),
+    }
+    atomic_write(state_dir / "state.pt", lambda tmp: torch.save(state, tmp))
+
+
+def _resume(state_dir: Path, plan_key: str, drafter, optimizer, scheduler, noise) -> int:
+    """Restore the last state of this exact plan; any other state is ignored (a fresh start). Returns the step."""
+    path = state_dir / "state.pt"
+    if not path.is_file():
+        return 0
+    state = torch.load(path, weights_only=True, map_location="cpu")
+    if state.get("plan_key") != plan_key:
+        return 0
+    drafter.load_state_dict(state["model"], strict=False)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["torch_rng"])
+    noise.set_state(state["noise_rng"])
+    return int(state["step"])

@@ -1,0 +1,99 @@
+"""train on the tiny verifier: outputs and MLflow curves, a refused bad input, and bit-identical resume."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from expman import paths
+from expman import train as train_module
+from expman.checkpoint import load_drafter
+from expman.errors import ExpmanError
+from expman.params import load_params
+from expman.train import train
+from tests.test_pipeline import run_until
+
+
+def run_train() -> dict:
+    return train(
+        load_params("params.yaml"),
+        paths.VERIFIER,
+        paths.EXTRACT,
+        paths.VOCAB,
+        paths.DRAFTER,
+        paths.TRAIN_STATE,
+        paths.TRAIN_METRICS,
+    )
+
+
+def test_train_outputs_and_curves(project: Path) -> None:
+    run_until("vocab")
+    manifest = run_train()
+    assert sorted(p.name for p in (project / paths.DRAFTER).iterdir()) == [
+        "config.json",
+        "manifest.json",
+        "model.safetensors",
+    ]
+    drafter = load_drafter(project / paths.DRAFTER)
+    assert drafter.config.aux_layer_ids == (2, 4, 5) and drafter.config.draft_vocab_size == 64
+    metrics = json.loads((project / paths.TRAIN_METRICS).read_text())
+    assert metrics["val_samples"] > 0 and 1.0 <= metrics["sim_tau_k3"] <= 4.0
+    assert metrics == manifest["metrics"]
+
+    import mlflow
+    from mlflow import MlflowClient
+
+    mlflow.set_tracking_uri(f"sqlite:///{project / 'mlflow.db'}")
+    runs = mlflow.search_runs(search_all_experiments=True, output_format="list")
+    by_stage = {r.data.tags["expman.stage"]: r for r in runs}
+    train_run = by_stage["train"]
+    history = MlflowClient().get_metric_history(train_run.info.run_id, "train/loss_0")
+    assert len(history) >= 2  # a curve, not a single point
+    for name in ("train/cond_acc_2", "train/sim_tau_k3", "lr", "tok_per_s", "val/acc_0", "val/sim_tau_k1"):
+        assert name in train_run.data.metrics, name
+    assert train_run.data.tags["expman.upstream.extract.run_id"] == by_stage["extract"].info.run_id
+    assert train_run.data.tags["expman.upstream.vocab.run_id"] == by_stage["vocab"].info.run_id
+
+
+def test_train_resumes_bit_identical(project: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run_until("vocab")
+    run_train()
+    uninterrupted = load_file(str(project / paths.DRAFTER / "model.safetensors"))
+    shutil.rmtree(project / paths.DRAFTER)
+    shutil.rmtree(project / paths.TRAIN_STATE)
+
+    real = train_module.ttt_loss
+    calls = []
+
+    def crash_on_fifth(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:  # the state of step 3 is on disk (checkpoint_every: 3)
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, "ttt_loss", crash_on_fifth)
+    with pytest.raises(KeyboardInterrupt):
+        run_train()
+    assert not (project / paths.DRAFTER).exists()
+    monkeypatch.setattr(train_module, "ttt_loss", real)
+    run_train()
+    resumed = load_file(str(project / paths.DRAFTER / "model.safetensors"))
+    assert resumed.keys() == uninterrupted.keys()
+    for name, tensor in uninterrupted.items():
+        assert torch.equal(resumed[name], tensor), name
+
+
+def test_features_from_another_verifier_are_refused(project: Path) -> None:
+    run_until("vocab")
+    manifest_path = project / paths.EXTRACT / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["contract"]["verifier"]["hidden_size"] = 64
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(ExpmanError, match="features were captured from another verifier"):
+        run_train()
+    assert not (project / paths.DRAFTER).exists()
