@@ -182,7 +182,7 @@ class TrainParams(Section):
     warmup_ratio: float = Field(default=0.02, ge=0.0, lt=1.0)
     weight_decay: float = Field(default=0.01, ge=0.0)
     grad_clip: float = Field(default=0.5, gt=0.0)
-    max_tokens: PositiveInt = 4096
+    max_tokens: PositiveInt = 1024
     """Tokens per packed batch (documents packed into one row, attention kept within each document)."""
     val_fraction: float = Field(default=0.1, ge=0.0, lt=0.5)
     """Share of samples held out for validation (chosen by a hash of the sample id, stable across runs)."""

@@ -65,6 +65,9 @@ def atomic_dir(path: Path) -> Iterator[Path]:
     try:
         yield tmp
         tmp.chmod(0o777 & ~_umask())
+        for written in tmp.rglob("*"):  # some writers (safetensors) create files 0600
+            if written.is_file():
+                written.chmod(0o666 & ~_umask())
         old = path.with_name(f".{path.name}.old")
         shutil.rmtree(old, ignore_errors=True)
         if path.exists():

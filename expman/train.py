@@ -203,8 +203,9 @@ def train(
     head = head.to(device)
     trainable = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=section.lr, betas=(0.9, 0.95), weight_decay=section.weight_decay)
-    steps_per_epoch = len(batch_plan(train_refs, section.max_tokens, section.seed, 0))
-    total_steps = steps_per_epoch * section.epochs
+    plans = [batch_plan(train_refs, section.max_tokens, section.seed, epoch) for epoch in range(section.epochs)]
+    epoch_starts = [sum(len(p) for p in plans[:epoch]) for epoch in range(section.epochs)]
+    total_steps = sum(len(p) for p in plans)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(section, total_steps))
     noise = torch.Generator().manual_seed(section.seed)
     upstream = {name: upstream_entry(path, manifest) for name, (path, manifest) in manifests.items()}
@@ -221,9 +222,10 @@ def train(
         final: dict[str, float] = {}
         tokens, started = 0, time.perf_counter()
         with tqdm(total=total_steps, initial=step, desc="train", unit="step") as bar:
-            for epoch in range(step // steps_per_epoch, section.epochs):
-                batches = batch_plan(train_refs, section.max_tokens, section.seed, epoch)
-                for refs in batches[step - epoch * steps_per_epoch :]:
+            for epoch, batches in enumerate(plans):
+                if epoch_starts[epoch] + len(batches) <= step:
+                    continue  # finished before a resume
+                for refs in batches[step - epoch_starts[epoch] :]:
                     batch = Packed.of([cache.document(r, section.max_tokens) for r in refs]).to(device)
                     with autocast or nullcontext():
                         loss, metrics = ttt_loss(

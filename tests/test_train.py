@@ -60,9 +60,11 @@ def test_train_outputs_and_curves(project: Path) -> None:
     assert train_run.data.tags["expman.upstream.vocab.run_id"] == by_stage["vocab"].info.run_id
 
 
-def test_train_resumes_bit_identical(project: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("crash_at", [5, 9])  # objective calls: in epoch 0, and in epoch 1 past a checkpoint
+def test_train_resumes_bit_identical(project: Path, monkeypatch: pytest.MonkeyPatch, crash_at: int) -> None:
     run_until("vocab")
-    run_train()
+    manifest = run_train()
+    assert manifest["metrics"]["steps"] >= 8
     uninterrupted = load_file(str(project / paths.DRAFTER / "model.safetensors"))
     shutil.rmtree(project / paths.DRAFTER)
     shutil.rmtree(project / paths.TRAIN_STATE)
@@ -70,13 +72,13 @@ def test_train_resumes_bit_identical(project: Path, monkeypatch: pytest.MonkeyPa
     real = train_module.ttt_loss
     calls = []
 
-    def crash_on_fifth(*args, **kwargs):
+    def crash(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 5:  # the state of step 3 is on disk (checkpoint_every: 3)
+        if len(calls) == crash_at:  # states are saved every 3 steps
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(train_module, "ttt_loss", crash_on_fifth)
+    monkeypatch.setattr(train_module, "ttt_loss", crash)
     with pytest.raises(KeyboardInterrupt):
         run_train()
     assert not (project / paths.DRAFTER).exists()
