@@ -29,7 +29,7 @@ from expman.params import Params, TrainParams
 from expman.provenance import atomic_write, atomic_write_json, read_manifest, sha256_json, upstream_entry
 from expman.tracking import stage_run
 
-__all__ = ["SampleRef", "batch_plan", "train"]
+__all__ = ["SampleRef", "batch_plan", "new_optimizer", "train", "training_step"]
 
 VAL_EPOCH = 1_000_000  # the validation batches' seed slot, apart from every training epoch
 
@@ -105,6 +105,38 @@ class ShardCache:
         end = min(int(tensors["sample_offsets"][ref.index + 1]), start + max_tokens)
         names = ("input_ids", "loss_mask", "aux_hidden_states", "final_hidden_states")
         return {name: tensors[name][start:end] for name in names}
+
+
+def training_step(
+    drafter: Eagle3Drafter,
+    head: VerifierHead,
+    batch: Packed,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    section: TrainParams,
+    noise: torch.Generator,
+    device: str,
+) -> dict[str, float]:
+    """One optimizer step: TTT loss (bf16 autocast on CUDA), backward, clip, AdamW, schedule."""
+    autocast = device == "cuda" and section.dtype != "float32"
+    with torch.autocast("cuda", dtype=torch.bfloat16) if autocast else nullcontext():
+        loss, metrics = ttt_loss(
+            drafter, head, batch, section.ttt_steps, section.step_loss_decay, section.noise_std, noise
+        )
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    trainable = [p for group in optimizer.param_groups for p in group["params"]]
+    metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(trainable, section.grad_clip))
+    optimizer.step()
+    scheduler.step()
+    return metrics
+
+
+def new_optimizer(drafter: Eagle3Drafter, section: TrainParams, total_steps: int) -> tuple[Any, Any]:
+    """AdamW over the trainable parameters (the embedding is frozen) and the warmup + cosine/linear schedule."""
+    trainable = [p for p in drafter.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=section.lr, betas=(0.9, 0.95), weight_decay=section.weight_decay)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(section, total_steps))
 
 
 def _schedule(section: TrainParams, total_steps: int) -> Any:
@@ -201,19 +233,16 @@ def train(
     vocab = load_file(str(vocab_dir / "vocab.safetensors"))
     drafter = _new_drafter(verifier_dir, head, contract, vocab, section).to(device)
     head = head.to(device)
-    trainable = [p for p in drafter.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=section.lr, betas=(0.9, 0.95), weight_decay=section.weight_decay)
     plans = [batch_plan(train_refs, section.max_tokens, section.seed, epoch) for epoch in range(section.epochs)]
     epoch_starts = [sum(len(p) for p in plans[:epoch]) for epoch in range(section.epochs)]
     total_steps = sum(len(p) for p in plans)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(section, total_steps))
+    optimizer, scheduler = new_optimizer(drafter, section, total_steps)
     noise = torch.Generator().manual_seed(section.seed)
     upstream = {name: upstream_entry(path, manifest) for name, (path, manifest) in manifests.items()}
     plan_key = sha256_json(
         {"params": section.model_dump(), "upstream": {k: v["manifest_sha256"] for k, v in upstream.items()}}
     )
     step = _resume(state_dir, plan_key, drafter, optimizer, scheduler, noise)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" and section.dtype != "float32" else None
     cache = ShardCache(extract_manifest)
     val_batches = batch_plan(val_refs, section.max_tokens, section.seed, VAL_EPOCH) if val_refs else []
     with stage_run("train", section.model_dump(), upstream) as run:
@@ -227,15 +256,7 @@ def train(
                     continue  # finished before a resume
                 for refs in batches[step - epoch_starts[epoch] :]:
                     batch = Packed.of([cache.document(r, section.max_tokens) for r in refs]).to(device)
-                    with autocast or nullcontext():
-                        loss, metrics = ttt_loss(
-                            drafter, head, batch, section.ttt_steps, section.step_loss_decay, section.noise_std, noise
-                        )
-                    optimizer.zero_grad(set_to_none=True)
-                    loss.backward()
-                    metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(trainable, section.grad_clip))
-                    optimizer.step()
-                    scheduler.step()
+                    metrics = training_step(drafter, head, batch, optimizer, scheduler, section, noise, device)
                     step += 1
                     tokens += batch.input_ids.numel()
                     window.append(metrics)
