@@ -190,9 +190,21 @@ class TrainParams(Section):
     log_every: PositiveInt = 10
     checkpoint_every: PositiveInt = 50
     """Optimizer steps between resume checkpoints (model, optimizer, scheduler, data position, RNG)."""
+    finetune_from: str | None = None
+    """A drafter checkpoint folder (speculators or EAGLE format) to start from; checked for compatibility
+    (shapes, vocab map, aux ids, norm placement) before any training."""
+    finetune_layer_convention: Literal["vllm", "sglang"] | None = None
+    """For an EAGLE-format source that does not record its aux-id convention (e.g. AQ-MedAI's)."""
     device: Device = "auto"
     dtype: Dtype = "auto"
     """auto: float32 on CPU, bfloat16 autocast on CUDA."""
+
+    @field_validator("finetune_from")
+    @classmethod
+    def _checkpoint_folder(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None and not (_root(info) / value / "config.json").is_file():
+            raise ValueError(f"not a drafter checkpoint folder (no config.json): {value}")
+        return value
 
 
 class Params(Section):

@@ -26,7 +26,7 @@ from expman.errors import ExpmanError
 from expman.extract import load_shard
 from expman.objective import Packed, VerifierHead, simulated_tau, ttt_loss
 from expman.params import Params, TrainParams
-from expman.provenance import atomic_write, atomic_write_json, read_manifest, sha256_json, upstream_entry
+from expman.provenance import atomic_write, atomic_write_json, read_manifest, sha256_file, sha256_json, upstream_entry
 from expman.tracking import stage_run
 
 __all__ = ["SampleRef", "batch_plan", "new_optimizer", "train", "training_step"]
@@ -168,6 +168,48 @@ def _new_drafter(
     return drafter
 
 
+def incompatibilities(source: Eagle3Drafter, target: Eagle3Drafter) -> list[str]:
+    """What keeps ``source``'s weights from meaning the same thing in ``target``: shapes, vocab map, aux ids."""
+    found = []
+    for key in (
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "num_hidden_layers",
+        "vocab_size",
+    ):
+        mine, theirs = target.config.layer.get(key), source.config.layer.get(key)
+        if mine != theirs:
+            found.append(f"{key} {theirs} != {mine}")
+    if source.config.draft_vocab_size != target.config.draft_vocab_size:
+        found.append(f"draft_vocab_size {source.config.draft_vocab_size} != {target.config.draft_vocab_size}")
+    elif not torch.equal(source.d2t, target.d2t):
+        moved = int((source.d2t != target.d2t).sum())
+        found.append(f"d2t maps {moved} of {target.config.draft_vocab_size} draft ids to other target ids")
+    if source.config.aux_layer_ids != target.config.aux_layer_ids:
+        found.append(f"aux_layer_ids {list(source.config.aux_layer_ids)} != {list(target.config.aux_layer_ids)}")
+    if source.config.norm_before_residual != target.config.norm_before_residual:
+        found.append(
+            f"norm_before_residual {source.config.norm_before_residual} != {target.config.norm_before_residual}"
+        )
+    return found
+
+
+def start_from(drafter: Eagle3Drafter, section: TrainParams, head: VerifierHead) -> Eagle3Drafter:
+    """Load ``train.finetune_from`` into ``drafter`` after the compatibility check; refuse naming what differs."""
+    from expman.checkpoint import load_drafter
+
+    source = load_drafter(Path(section.finetune_from), section.finetune_layer_convention, embedding=head.embed)
+    problems = incompatibilities(source, drafter)
+    if problems:
+        raise ExpmanError(f"train.finetune_from: {section.finetune_from} is incompatible: {'; '.join(problems)}")
+    weights = {k: v for k, v in source.state_dict().items() if k != "embed_tokens.weight"}
+    drafter.load_state_dict(weights, strict=False)
+    return drafter
+
+
 def _check_inputs(verifier: dict, extract: dict, vocab: dict, paths: tuple[Path, Path, Path]) -> None:
     if extract["contract"]["verifier"] != verifier["verifier"]:
         raise ExpmanError(f"{paths[1]}: features were captured from another verifier than {paths[0]}")
@@ -231,7 +273,10 @@ def train(
     device = resolve_device(section.device)
     head = VerifierHead.load(verifier_dir)
     vocab = load_file(str(vocab_dir / "vocab.safetensors"))
-    drafter = _new_drafter(verifier_dir, head, contract, vocab, section).to(device)
+    drafter = _new_drafter(verifier_dir, head, contract, vocab, section)
+    if section.finetune_from:
+        drafter = start_from(drafter, section, head)
+    drafter = drafter.to(device)
     head = head.to(device)
     plans = [batch_plan(train_refs, section.max_tokens, section.seed, epoch) for epoch in range(section.epochs)]
     epoch_starts = [sum(len(p) for p in plans[:epoch]) for epoch in range(section.epochs)]
@@ -239,6 +284,11 @@ def train(
     optimizer, scheduler = new_optimizer(drafter, section, total_steps)
     noise = torch.Generator().manual_seed(section.seed)
     upstream = {name: upstream_entry(path, manifest) for name, (path, manifest) in manifests.items()}
+    if section.finetune_from:
+        upstream["finetune_from"] = {
+            "manifest": section.finetune_from,
+            "manifest_sha256": sha256_file(Path(section.finetune_from) / "model.safetensors"),
+        }
     plan_key = sha256_json(
         {"params": section.model_dump(), "upstream": {k: v["manifest_sha256"] for k, v in upstream.items()}}
     )

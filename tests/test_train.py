@@ -99,3 +99,60 @@ def test_features_from_another_verifier_are_refused(project: Path) -> None:
     with pytest.raises(ExpmanError, match="features were captured from another verifier"):
         run_train()
     assert not (project / paths.DRAFTER).exists()
+
+
+def _use_finetune(project: Path, source: str) -> None:
+    text = (project / "params.yaml").read_text().replace("train:\n", f"train:\n  finetune_from: {source}\n", 1)
+    (project / "params.yaml").write_text(text)
+
+
+def test_finetune_starts_from_a_compatible_drafter(project: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run_until("vocab")
+    run_train()
+    shutil.copytree(project / paths.DRAFTER, project / "base-drafter")
+    base = load_file(str(project / "base-drafter/model.safetensors"))
+    _use_finetune(project, "base-drafter")
+    seen = []
+    real = train_module.training_step
+    monkeypatch.setattr(
+        train_module,
+        "training_step",
+        lambda drafter, *a: (seen.append(drafter.fc.weight.detach().clone()), real(drafter, *a))[1],
+    )
+    manifest = run_train()
+    assert torch.equal(seen[0], base["fc.weight"])  # the first step starts from the base weights
+    assert manifest["provenance"]["upstream"]["finetune_from"]["manifest"] == "base-drafter"
+
+
+def test_incompatible_finetune_source_is_refused_naming_the_differences(project: Path) -> None:
+    run_until("vocab")
+    run_train()
+    source = project / "other-drafter"
+    shutil.copytree(project / paths.DRAFTER, source)
+    config = json.loads((source / "config.json").read_text())
+    config["eagle_aux_hidden_state_layer_ids"] = [3, 4, 5]
+    (source / "config.json").write_text(json.dumps(config))
+    tensors = load_file(str(source / "model.safetensors"))
+    chosen = torch.nonzero(tensors["t2d"]).flatten()
+    unused = torch.nonzero(~tensors["t2d"]).flatten()[:1]
+    moved = torch.cat([chosen[1:], unused]).sort().values  # one draft id now maps to another token
+    tensors["t2d"] = torch.zeros_like(tensors["t2d"])
+    tensors["t2d"][moved] = True
+    tensors["d2t"] = moved - torch.arange(len(moved))
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(source / "model.safetensors"))
+    shutil.rmtree(project / paths.DRAFTER)
+    _use_finetune(project, "other-drafter")
+    with pytest.raises(ExpmanError) as caught:
+        run_train()
+    message = str(caught.value)
+    assert message.startswith("train.finetune_from: other-drafter is incompatible: d2t maps ")
+    assert "aux_layer_ids [3, 4, 5] != [2, 4, 5]" in message
+    assert not (project / paths.DRAFTER).exists()
+
+
+def test_missing_finetune_source_is_a_params_error(project: Path) -> None:
+    _use_finetune(project, "no-such-drafter")
+    with pytest.raises(ExpmanError, match=r"train.finetune_from: not a drafter checkpoint folder \(no config.json\)"):
+        load_params("params.yaml")
