@@ -81,13 +81,18 @@ def test_default_aux_layers_match_vllm_convention() -> None:
 
 @pytest.mark.gpu
 def test_capture_on_cuda_matches_cpu(tiny_verifier_source: Path) -> None:
+    """fp32 on the GPU gives the CPU's states; bf16 (the GPU default) stays within bf16 noise of them."""
     cpu = AutoModelForCausalLM.from_pretrained(tiny_verifier_source, dtype=torch.float32).eval()
-    gpu = AutoModelForCausalLM.from_pretrained(tiny_verifier_source, dtype=torch.bfloat16).cuda().eval()
     ids, mask = _batch(cpu.config.vocab_size)
     layers = default_aux_layers(cpu.config.num_hidden_layers)
-    with torch.inference_mode():
-        aux_cpu, final_cpu = CaptureHooks(cpu, layers, "pre_norm")(ids, mask)
-        aux_gpu, final_gpu = CaptureHooks(gpu, layers, "pre_norm")(ids.cuda(), mask.cuda())
     valid = mask.bool()
-    torch.testing.assert_close(aux_gpu.float().cpu()[valid], aux_cpu[valid], rtol=0.05, atol=0.05)
-    torch.testing.assert_close(final_gpu.float().cpu()[valid], final_cpu[valid], rtol=0.05, atol=0.05)
+    with torch.inference_mode():
+        reference = [t[valid] for t in CaptureHooks(cpu, layers, "pre_norm")(ids, mask)]
+        for dtype in (torch.float32, torch.bfloat16):
+            gpu = AutoModelForCausalLM.from_pretrained(tiny_verifier_source, dtype=dtype).cuda().eval()
+            captured = [t.float().cpu()[valid] for t in CaptureHooks(gpu, layers, "pre_norm")(ids.cuda(), mask.cuda())]
+            for got, want in zip(captured, reference, strict=True):
+                if dtype == torch.float32:
+                    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+                else:
+                    assert torch.nn.functional.cosine_similarity(got, want, dim=-1).min() > 0.99
