@@ -55,3 +55,19 @@ def test_ci_runs_the_readme_test_command() -> None:
     command = (REPO / ".ci/run").read_text().strip().splitlines()[-1]
     assert command.endswith("&& pytest")
     assert f"```bash\n{command}\n```" in (REPO / "README.md").read_text()
+
+
+def test_ui_binds_loopback_and_the_project_store(tmp_path: Path, monkeypatch) -> None:
+    from click.testing import CliRunner
+
+    from expman.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    launched = []
+    monkeypatch.setattr(subprocess, "run", lambda command, **_: launched.append(command))
+    assert CliRunner().invoke(main, ["ui"]).exit_code == 0
+    command = launched[0]
+    assert command[command.index("--host") + 1] == "127.0.0.1"
+    assert command[command.index("--backend-store-uri") + 1] == f"sqlite:///{tmp_path.resolve() / 'mlflow.db'}"
+    assert command[command.index("--default-artifact-root") + 1] == (tmp_path.resolve() / "mlartifacts").as_uri()
