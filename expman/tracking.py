@@ -102,7 +102,8 @@ def stage_run(stage: str, params: Mapping[str, Any], upstream: Mapping[str, Mapp
     mlflow.set_tracking_uri(uri)
     client = MlflowClient()
     experiment_id = _experiment_id(client, os.environ.get("MLFLOW_EXPERIMENT_NAME", "expman"), uri, root)
-    tags = {"expman.stage": stage, "git.sha": git_sha(root), "mlflow.source.git.commit": git_sha(root)}
+    sha = git_sha(root)
+    tags = {"expman.stage": stage, "git.sha": sha, "mlflow.source.git.commit": sha}
     for env, tag in (("DVC_EXP_NAME", "dvc.exp_name"), ("DVC_EXP_BASELINE_REV", "dvc.baseline_rev")):
         if os.environ.get(env):
             tags[tag] = os.environ[env]
