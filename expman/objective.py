@@ -60,11 +60,21 @@ class VerifierHead:
     def to(self, device: str) -> VerifierHead:
         return VerifierHead(self.embed.to(device), self.norm_weight.to(device), self.norm_eps, self.lm_head.to(device))
 
-    def logits(self, final_pre_norm: torch.Tensor) -> torch.Tensor:
-        """Full-vocab logits lm_head(norm(h)) from pre-norm final states [..., H] (computed in fp32)."""
+    def normed(self, final_pre_norm: torch.Tensor) -> torch.Tensor:
+        """norm(h) in fp32, from pre-norm final states [..., H]."""
         h = final_pre_norm.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.norm_eps) * self.norm_weight
-        return h @ self.lm_head.T
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.norm_eps) * self.norm_weight
+
+    def logits(self, final_pre_norm: torch.Tensor) -> torch.Tensor:
+        """Full-vocab logits lm_head(norm(h)) (computed in fp32)."""
+        return self.normed(final_pre_norm) @ self.lm_head.T
+
+    def targets(self, final_pre_norm: torch.Tensor, t2d: torch.Tensor, chunk: int = 1024) -> tuple:
+        """(top-1 target id [T], softmax over the draft vocab [T, Vd]) without holding [T, V] logits at once:
+        full-vocab logits exist one chunk of tokens at a time (163,840 × 8,192 fp32 would be 5.4 GB)."""
+        normed = self.normed(final_pre_norm)
+        top1 = torch.cat([(part @ self.lm_head.T).argmax(-1) for part in normed.split(chunk)])
+        return top1, torch.softmax(normed @ self.lm_head[t2d].T, dim=-1)
 
 
 @dataclass(frozen=True)
@@ -122,9 +132,8 @@ def ttt_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Σ_k decay^k · soft-CE_k over valid positions, plus per-step accuracy (full and conditional)."""
     with torch.no_grad():
-        full = head.logits(batch.final[0])[None]  # [1, T, V]
-        top1 = full.argmax(-1)
-        target_probs = torch.softmax(full[..., drafter.t2d], dim=-1)
+        top1, target_probs = head.targets(batch.final[0], drafter.t2d)
+        top1, target_probs = top1[None], target_probs[None]
     aux = batch.aux.float()
     if noise_std:
         aux = aux + (torch.rand(aux.shape, generator=generator, device="cpu").to(aux.device) * 2 - 1) * noise_std

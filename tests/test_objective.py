@@ -86,3 +86,14 @@ def test_simulated_tau() -> None:
     assert simulated_tau([0.5, 0.5, 0.5], 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
     assert simulated_tau([1.0, 0.0, 1.0], 3) == 2.0
     assert simulated_tau([0.3, 0.4], 1) == pytest.approx(1.3)
+
+
+def test_chunked_targets_equal_full_logits(verifier, tiny_verifier_source: Path) -> None:
+    head = VerifierHead.load(tiny_verifier_source)
+    final = _document(verifier, 30, 4, seed=7)["final_hidden_states"]
+    t2d = torch.zeros(verifier.config.vocab_size, dtype=torch.bool)
+    t2d[::5] = True
+    top1, probs = head.targets(final, t2d, chunk=7)
+    full = head.logits(final)
+    assert torch.equal(top1, full.argmax(-1))
+    torch.testing.assert_close(probs, torch.softmax(full[:, t2d], dim=-1), rtol=1e-5, atol=1e-6)
