@@ -26,22 +26,29 @@ from expman.drafter import DrafterConfig, Eagle3Drafter
 from expman.errors import ExpmanError
 from expman.provenance import atomic_dir
 
-__all__ = ["export_eagle", "load_drafter", "save_speculators", "validate_checkpoint"]
+__all__ = [
+    "export_eagle",
+    "load_drafter",
+    "read_checkpoint",
+    "save_speculators",
+    "validate_checkpoint",
+    "write_eagle",
+    "write_speculators",
+]
 
 Convention = Literal["vllm", "sglang"]
 CONVENTION_SHIFT = {"vllm": 0, "sglang": 1}  # our id = file id + shift
 EAGLE_ARCHITECTURE = "LlamaForCausalLMEagle3"
+SPECULATORS_EXTRAS = ("verifier_", "input_norm")  # tensors speculators may save beside the drafter's; not ours
 
 
-def _state(model: Eagle3Drafter, first_layer_prefix: str, with_embedding: bool) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for name, tensor in model.state_dict().items():
-        if name.startswith("rotary_emb.") or (name == "embed_tokens.weight" and not with_embedding):
-            continue
-        if name.startswith("layers.0."):
-            name = first_layer_prefix + name.removeprefix("layers.0.")
-        tensors[name] = tensor.detach().contiguous().cpu()
-    return tensors
+def _state(model: Eagle3Drafter) -> dict[str, torch.Tensor]:
+    """The model's tensors under their canonical (state dict) names, without the rotary buffers."""
+    return {
+        name: tensor.detach().contiguous().cpu()
+        for name, tensor in model.state_dict().items()
+        if not name.startswith("rotary_emb.")
+    }
 
 
 def _write(folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
@@ -60,7 +67,21 @@ def save_speculators(
     speculative_tokens: int,
 ) -> None:
     """Write the canonical checkpoint (speculators format) to ``folder`` atomically."""
-    config = model.config
+    write_speculators(
+        model.config, _state(model), folder, verifier_name_or_path, verifier_architectures, speculative_tokens
+    )
+
+
+def write_speculators(
+    config: DrafterConfig,
+    tensors: dict[str, torch.Tensor],
+    folder: Path,
+    verifier_name_or_path: str | None,
+    verifier_architectures: list[str],
+    speculative_tokens: int,
+) -> None:
+    """Write canonically named ``tensors`` in speculators format; ``embed_tokens`` is kept only when present
+    (an imported EAGLE checkpoint has none: engines take the verifier's)."""
     layer = {**config.layer, "architectures": ["LlamaForCausalLM"]}
     _write(
         folder,
@@ -88,13 +109,17 @@ def save_speculators(
             },
             "expman_layer_convention": "vllm",
         },
-        _state(model, "layers.0.", with_embedding=True),
+        tensors,
     )
 
 
 def export_eagle(model: Eagle3Drafter, folder: Path, convention: Convention) -> None:
     """Write the EAGLE/SGLang format with aux ids in ``convention`` (vllm: as is; sglang: one lower)."""
-    config = model.config
+    write_eagle(model.config, _state(model), folder, convention)
+
+
+def write_eagle(config: DrafterConfig, tensors: dict[str, torch.Tensor], folder: Path, convention: Convention) -> None:
+    """Write canonically named ``tensors`` in EAGLE/SGLang format (``midlayer.*``, no embedding)."""
     ids = [i - CONVENTION_SHIFT[convention] for i in config.aux_layer_ids]
     _write(
         folder,
@@ -108,7 +133,11 @@ def export_eagle(model: Eagle3Drafter, folder: Path, convention: Convention) -> 
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
             "expman_layer_convention": convention,
         },
-        _state(model, "midlayer.", with_embedding=False),
+        {
+            ("midlayer." + name.removeprefix("layers.0.") if name.startswith("layers.0.") else name): tensor
+            for name, tensor in tensors.items()
+            if name != "embed_tokens.weight"
+        },
     )
 
 
@@ -185,14 +214,21 @@ def _to_canonical(config: dict[str, Any], tensors: dict, convention: Convention 
     return drafter, tensors
 
 
-def validate_checkpoint(config: DrafterConfig, tensors: dict[str, torch.Tensor], where: str) -> None:
-    """Required tensors present with the shapes the config implies; vocab maps consistent."""
+def _expected_shapes(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
+    """Canonical tensor names and shapes the config implies (rotary buffers excluded)."""
     with torch.device("meta"):  # shapes only: no memory for a 1B-parameter drafter
-        expected = {name: tuple(t.shape) for name, t in Eagle3Drafter(config).state_dict().items()}
+        state = Eagle3Drafter(config).state_dict()
+    return {name: tuple(t.shape) for name, t in state.items() if not name.startswith("rotary_emb.")}
+
+
+def validate_checkpoint(config: DrafterConfig, tensors: dict[str, torch.Tensor], where: str) -> None:
+    """Required tensors present with the shapes the config implies, no unknown ones; vocab maps consistent."""
+    expected = _expected_shapes(config)
+    unexpected = [k for k in tensors if k not in expected and not k.startswith(SPECULATORS_EXTRAS)]
+    if unexpected:
+        raise ExpmanError(f"{where}: unexpected tensors {', '.join(sorted(unexpected)[:5])}")
     expected.pop("embed_tokens.weight")  # optional: engines take the verifier's
     for name, shape in expected.items():
-        if name.startswith("rotary_emb."):
-            continue
         if name not in tensors:
             raise ExpmanError(f"{where}: tensor {name} is missing")
         if tuple(tensors[name].shape) != shape:
@@ -207,6 +243,17 @@ def validate_checkpoint(config: DrafterConfig, tensors: dict[str, torch.Tensor],
         raise ExpmanError(f"{where}: d2t and t2d disagree on the draft vocab")
 
 
+def read_checkpoint(
+    folder: Path, layer_convention: Convention | None = None
+) -> tuple[dict[str, Any], DrafterConfig, dict[str, torch.Tensor]]:
+    """Either format as (its config.json, DrafterConfig, canonically named tensors), validated; ids converted to
+    ours. Needs no verifier: ``embed_tokens`` is among the tensors only when the file has it."""
+    config, tensors = _read(folder)
+    drafter_config, tensors = _to_canonical(config, tensors, layer_convention, folder)
+    validate_checkpoint(drafter_config, tensors, str(folder))
+    return config, drafter_config, {k: v for k, v in tensors.items() if not k.startswith(SPECULATORS_EXTRAS)}
+
+
 def load_drafter(
     folder: Path, layer_convention: Convention | None = None, embedding: torch.Tensor | None = None
 ) -> Eagle3Drafter:
@@ -215,9 +262,7 @@ def load_drafter(
     ``embedding`` (the verifier's input embedding) is required when the checkpoint omits ``embed_tokens``,
     as EAGLE-format exports do.
     """
-    config, tensors = _read(folder)
-    drafter_config, tensors = _to_canonical(config, tensors, layer_convention, folder)
-    validate_checkpoint(drafter_config, tensors, str(folder))
+    _, drafter_config, tensors = read_checkpoint(folder, layer_convention)
     if "embed_tokens.weight" not in tensors:
         if embedding is None:
             raise ExpmanError(f"{folder}: embed_tokens is not in the checkpoint; load it with the verifier's embedding")
@@ -226,8 +271,5 @@ def load_drafter(
     tensors = {
         k: v.to(torch.bool if k == "t2d" else torch.int64 if k == "d2t" else torch.float32) for k, v in tensors.items()
     }
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
-    unexpected = [k for k in unexpected if not k.startswith(("verifier_", "input_norm"))]
-    if unexpected:
-        raise ExpmanError(f"{folder}: unexpected tensors {', '.join(sorted(unexpected)[:5])}")
+    model.load_state_dict(tensors, strict=False)  # strict but for the rotary buffers, which files never hold
     return model

@@ -35,9 +35,10 @@ def params_check(params_file: str, as_json: bool) -> None:
     with user_errors():
         resolved = load_params(params_file)
     if as_json:
-        click.echo(json.dumps(resolved.model_dump(), indent=2))
+        click.echo(json.dumps(resolved.model_dump(by_alias=True), indent=2))
     else:
-        click.echo(f"{params_file}: ok ({', '.join(type(resolved).model_fields)})")
+        sections = (field.alias or name for name, field in type(resolved).model_fields.items())
+        click.echo(f"{params_file}: ok ({', '.join(sections)})")
 
 
 @main.command()
@@ -49,3 +50,101 @@ def ui(host: str, port: int) -> None:
 
     with user_errors():
         serve_ui(host, port)
+
+
+@main.command()
+@click.argument("refs", nargs=-1)
+@click.option("--model", default=None, help="registered model [default: the only eagle3-* model]")
+@click.option("--baseline", default=None, help="version or @alias the deltas are against [default: @baseline]")
+@click.option("--k", type=click.IntRange(min=1), default=None, help="chain length [default: every k evaluated]")
+@click.option("--json", "output", flag_value="json", help="print JSON")
+@click.option("--md", "output", flag_value="md", help="print a Markdown table")
+def compare(refs: tuple[str, ...], model: str | None, baseline: str | None, k: int | None, output: str | None) -> None:
+    """Compare drafter versions (number, @alias or run id; default @candidate) with the baseline: tau, acceptance,
+    per-position rates and speedup, each with its delta and a bootstrap 95% CI over prompts."""
+    from expman.compare import compare as build_report
+    from expman.compare import render_json, render_markdown, render_text
+    from expman.tracking import open_registry
+
+    with user_errors():
+        report = build_report(open_registry(), refs, model, baseline, k)
+    render = {"json": render_json, "md": render_markdown}.get(output or "", render_text)
+    click.echo(render(report))
+
+
+@main.command()
+@click.argument("model")
+@click.argument("version")
+@click.option("--alias", default="champion", show_default=True, help="alias to move: baseline, candidate, champion")
+@click.option("--force", is_flag=True, help="promote although gates fail (needs --reason; recorded)")
+@click.option("--reason", default=None, help="why; recorded on the version")
+@click.option("--params", "params_file", default=None, help="params file [default: params.yaml if present]")
+def promote(model: str, version: str, alias: str, force: bool, reason: str | None, params_file: str | None) -> None:
+    """Move ALIAS to MODEL's VERSION (number, @alias or run id) if it passes the promote gates."""
+    from pathlib import Path
+
+    from expman.params import PromoteParams, load_params
+    from expman.promote import promote as run_promotion
+    from expman.promote import render_gates
+    from expman.tracking import open_registry
+
+    with user_errors():
+        if params_file is None and not Path("params.yaml").is_file():
+            section = PromoteParams()
+        else:
+            section = load_params(params_file or "params.yaml").promote
+        promoted, k, gates = run_promotion(open_registry(), model, version, alias, section, force, reason)
+    click.echo(render_gates(promoted, alias, k, gates, section.target))
+    forced = " (forced: gates failed)" if not all(g.passed for g in gates) else ""
+    click.echo(f"{promoted.name} v{promoted.version} is now @{alias}{forced}")
+
+
+@main.command("import")
+@click.argument("path", type=click.Path(path_type=str))
+@click.option("--name", required=True, help="registered model name, e.g. eagle3-smollm2-135m-instruct")
+@click.option("--alias", default=None, help="alias to set: baseline or candidate")
+@click.option(
+    "--layer-convention",
+    type=click.Choice(["vllm", "sglang"]),
+    default=None,
+    help="aux-id convention of an EAGLE checkpoint that does not record it",
+)
+def import_(path: str, name: str, alias: str | None, layer_convention: str | None) -> None:
+    """Validate a drafter folder (speculators or EAGLE format) and register it as a new version of NAME."""
+    from pathlib import Path
+
+    from expman.registry import import_drafter
+
+    with user_errors():
+        version = import_drafter(Path(path), name, alias, layer_convention)
+    click.echo(f"{name} v{version}" + (f" @{alias}" if alias else "") + f" (models:/{name}/{version})")
+
+
+@main.command()
+@click.argument("version")
+@click.option("--model", default=None, help="registered model [default: the only eagle3-* model]")
+@click.option("--format", "out_format", type=click.Choice(["speculators", "eagle"]), required=True)
+@click.option("--out", required=True, help="new folder to write (refused if not empty)")
+@click.option("--convention", type=click.Choice(["vllm", "sglang"]), default=None, help="eagle: aux-id convention")
+def export(version: str, model: str | None, out_format: str, out: str, convention: str | None) -> None:
+    """Write a registered VERSION (number, @alias or run id) as a speculators or EAGLE checkpoint folder."""
+    from pathlib import Path
+
+    from expman.registry import export_version
+    from expman.tracking import open_registry
+
+    with user_errors():
+        exported = export_version(open_registry(), model, version, out_format, Path(out), convention)
+    click.echo(f"{exported.name} v{exported.version} -> {out} ({out_format})")
+
+
+@main.command()
+@click.option("--limit", type=click.IntRange(min=1), default=20, show_default=True, help="rows of each list")
+@click.option("--json", "as_json", is_flag=True, help="print JSON")
+def runs(limit: int, as_json: bool) -> None:
+    """Recent stage runs (stage, status, start, run id, key metrics) and registered versions with their aliases."""
+    from expman.runs import list_runs, render_runs
+
+    with user_errors():
+        listing = list_runs(limit)
+    click.echo(json.dumps(listing, indent=2) if as_json else render_runs(listing))

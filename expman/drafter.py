@@ -200,3 +200,23 @@ class Eagle3Drafter(nn.Module):
                 hidden = layer(hidden, embeds if index == 0 else None, cos_sin, caches[index], mask)
             logits.append(self.lm_head(self.norm(hidden)))
         return logits
+
+    def decode(
+        self,
+        hidden: torch.Tensor,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        caches: list[list],
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Inference: run the layers on ``hidden`` [1, n, H] (``fc(aux)`` for context positions, the previous
+        output for a draft step) with the tokens after each position; K/V are appended to ``caches`` (one list
+        per layer). Returns the last layer's output (pre-norm), which the next draft step takes as ``hidden``."""
+        embeds = self.embed_tokens(input_ids)
+        cos_sin = self.rotary_emb(hidden, position_ids)
+        for index, layer in enumerate(self.layers):
+            hidden = layer(hidden, embeds if index == 0 else None, cos_sin, caches[index], mask)
+        return hidden
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden))

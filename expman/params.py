@@ -16,11 +16,15 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, 
 from expman.errors import ExpmanError
 
 __all__ = [
+    "BaselineParams",
     "DatasetSpec",
+    "EvaluateParams",
     "ExtractParams",
     "GenerateParams",
     "Params",
     "PrepareParams",
+    "PromoteParams",
+    "RegisterParams",
     "TrainParams",
     "VocabParams",
     "load_params",
@@ -192,19 +196,88 @@ class TrainParams(Section):
     """Optimizer steps between resume checkpoints (model, optimizer, scheduler, data position, RNG)."""
     finetune_from: str | None = None
     """A drafter checkpoint folder (speculators or EAGLE format) to start from; checked for compatibility
-    (shapes, vocab map, aux ids, norm placement) before any training."""
+    (shapes, vocab map, aux ids, norm placement) before any training. Not checked here: it may be the output
+    of an earlier stage of the same ``dvc repro`` (models/baseline)."""
     finetune_layer_convention: Literal["vllm", "sglang"] | None = None
     """For an EAGLE-format source that does not record its aux-id convention (e.g. AQ-MedAI's)."""
     device: Device = "auto"
     dtype: Dtype = "auto"
     """auto: float32 on CPU, bfloat16 autocast on CUDA."""
 
-    @field_validator("finetune_from")
+
+class BaselineParams(Section):
+    """baseline: the drafter every candidate is measured against (alias ``baseline`` in the registry)."""
+
+    source: str = "train"
+    """``train``: a small generic drafter trained from scratch on a share of the training samples (the embedded
+    default's stand-in for a public drafter such as AQ-MedAI's); otherwise a drafter folder in speculators or
+    EAGLE format, imported after validation and a compatibility check against the verifier and the features."""
+    layer_convention: Literal["vllm", "sglang"] | None = None
+    """For an EAGLE-format source that does not record its aux-id convention."""
+    sample_fraction: float = Field(default=0.5, gt=0.0, le=1.0)
+    """Share of the training samples (chosen by a hash of the sample id) the generic baseline is trained on."""
+    train: TrainParams = TrainParams(epochs=2)
+    """The recipe for ``source: train`` (same keys as the train section)."""
+
+    @field_validator("source")
     @classmethod
-    def _checkpoint_folder(cls, value: str | None, info: ValidationInfo) -> str | None:
-        if value is not None and not (_root(info) / value / "config.json").is_file():
-            raise ValueError(f"not a drafter checkpoint folder (no config.json): {value}")
+    def _train_or_folder(cls, value: str, info: ValidationInfo) -> str:
+        if value != "train" and not (_root(info) / value / "config.json").is_file():
+            raise ValueError(f"neither 'train' nor a drafter checkpoint folder (no config.json): {value}")
         return value
+
+
+class EvaluateParams(Section):
+    """evaluate: reference speculative decoding in torch (verifier + drafter), three arms on held-out prompts."""
+
+    split: Literal["train", "heldout"] = "heldout"
+    ks: list[Annotated[int, Field(ge=1, le=16)]] = Field(default=[1, 3], min_length=1)
+    """Chain lengths (draft tokens per verifier forward) to measure; each costs one decode per prompt and arm."""
+    max_prompts: PositiveInt | None = 16
+    """Prompts taken round-robin over categories; null = all of the split. On 2 CPU cores each prompt costs
+    about 5 s per arm and k at the default length (batch 1, one verifier forward per round)."""
+    max_new_tokens: PositiveInt = 64
+    temperature: float = Field(default=0.0, ge=0.0, le=2.0)
+    """0 = greedy (outputs checked against plain greedy); > 0 = lossless rejection sampling."""
+    seed: int = 0
+    baseline: str | None = "models/baseline"
+    """The baseline arm's drafter folder; null = only no-speculation and the candidate."""
+    device: Device = "auto"
+    dtype: Dtype = "auto"
+    """auto: float32 on CPU (bf16 matmuls are ~6x slower there), bfloat16 on CUDA."""
+
+    @field_validator("ks")
+    @classmethod
+    def _distinct(cls, value: list[int]) -> list[int]:
+        if len(set(value)) != len(value):
+            raise ValueError("each k at most once")
+        return sorted(value)
+
+
+class RegisterParams(Section):
+    """register: the trained drafter as a new version of the registered model, with alias ``candidate``."""
+
+    model_name: str = Field(default="auto", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,255}$")
+    """auto = ``eagle3-<verifier slug>``, the slug made from ``prepare.source``."""
+
+
+class PromoteParams(Section):
+    """promote (``expman promote``): the gates a version must pass before an alias moves to it.
+
+    Every gate compares measured numbers of the version's own evaluation run at one chain length k."""
+
+    k: PositiveInt | None = None
+    """Chain length the gates read; null = the largest k the version was evaluated at."""
+    min_tau_gain: float = 0.0
+    """tau(version) - tau(baseline), paired by prompt, must exceed this (0.0: strictly better than the baseline)."""
+    min_speedup: float = Field(default=1.0, gt=0.0)
+    """tok/s(version) / tok/s(no speculation), measured in the same run, must exceed this."""
+    require_greedy_equality: StrictBool = True
+    """Every evaluated prompt's output must equal plain greedy decoding, at every k."""
+    block_integration_fault: StrictBool = True
+    """Refuse a version tagged ``expman.integration_fault=true`` (engine and reference evaluator disagree)."""
+    target: str = "torch-cpu-batch1"
+    """The deployment target the speedup was measured on; gates and audit tags name it."""
 
 
 class Params(Section):
@@ -214,7 +287,13 @@ class Params(Section):
     generate: GenerateParams
     extract: ExtractParams
     vocab: VocabParams
+    baseline: BaselineParams
     train: TrainParams
+    evaluate: EvaluateParams
+    register_: RegisterParams = Field(default=RegisterParams(), alias="register")
+    """The ``register`` section; the attribute has a trailing ``_`` because pydantic models already have a
+    ``register`` (ABCMeta's)."""
+    promote: PromoteParams = PromoteParams()
 
 
 def _dotted(loc: tuple[Any, ...]) -> str:

@@ -2,12 +2,32 @@
 
 from pathlib import Path
 
-__all__ = ["DRAFTER", "EXTRACT", "GENERATED", "TRAIN_METRICS", "TRAIN_STATE", "VERIFIER", "VOCAB"]
+__all__ = [
+    "BASELINE",
+    "BASELINE_METRICS",
+    "BASELINE_STATE",
+    "DRAFTER",
+    "EVALUATE",
+    "EVALUATE_METRICS",
+    "EXTRACT",
+    "GENERATED",
+    "REGISTERED",
+    "TRAIN_METRICS",
+    "TRAIN_STATE",
+    "VERIFIER",
+    "VOCAB",
+]
 
 VERIFIER = Path("models/verifier")  # prepare: HF safetensors folder + manifest.json
 GENERATED = Path("data/generated")  # generate: <split>/shard-*.jsonl + manifest.json
 EXTRACT = Path("data/extract")  # extract: manifest.json (the shards go to extract.shard_dir)
 VOCAB = Path("data/vocab")  # vocab: vocab.safetensors + metrics.json + manifest.json
+BASELINE = Path("models/baseline")  # baseline: speculators-format checkpoint + manifest.json
+BASELINE_STATE = Path("models/.baseline-state")  # baseline: resume state when it is trained
+BASELINE_METRICS = Path("metrics/baseline.json")  # baseline: held-out per-step accuracy when it is trained
 DRAFTER = Path("models/drafter")  # train: speculators-format checkpoint + manifest.json
 TRAIN_STATE = Path("models/.train-state")  # train: resume state (model, optimizer, scheduler, data position, RNG)
 TRAIN_METRICS = Path("metrics/train.json")  # train: held-out per-step accuracy and simulated tau
+EVALUATE = Path("data/evaluate")  # evaluate: evaluation.json (per-prompt results + summary) + manifest.json
+EVALUATE_METRICS = Path("metrics/evaluate.json")  # evaluate: τ, acceptance, speedup per arm and k
+REGISTERED = Path("models/registered.json")  # register: the registered model name, version and models:/ URI

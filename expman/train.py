@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,9 +26,9 @@ from expman.drafter import DrafterConfig, Eagle3Drafter
 from expman.errors import ExpmanError
 from expman.extract import load_shard
 from expman.objective import Packed, VerifierHead, simulated_tau, ttt_loss
-from expman.params import Params, TrainParams
+from expman.params import TrainParams
 from expman.provenance import atomic_write, atomic_write_json, read_manifest, sha256_file, sha256_json, upstream_entry
-from expman.tracking import stage_run
+from expman.tracking import StageRun, stage_run
 
 __all__ = ["SampleRef", "batch_plan", "new_optimizer", "train", "training_step"]
 
@@ -44,9 +45,10 @@ class SampleRef:
     length: int
 
 
-def _is_val(sample_id: str, fraction: float) -> bool:
-    digest = hashlib.sha256(sample_id.encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+def _hash_share(sample_id: str, salt: str = "") -> float:
+    """A stable number in [0, 1) per sample id: splits stay the same across runs and machines."""
+    digest = hashlib.sha256((salt + sample_id).encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
 
 
 def index_samples(manifest: dict[str, Any]) -> list[SampleRef]:
@@ -201,6 +203,10 @@ def start_from(drafter: Eagle3Drafter, section: TrainParams, head: VerifierHead)
     """Load ``train.finetune_from`` into ``drafter`` after the compatibility check; refuse naming what differs."""
     from expman.checkpoint import load_drafter
 
+    if not (Path(section.finetune_from) / "config.json").is_file():
+        raise ExpmanError(
+            f"train.finetune_from: {section.finetune_from}: not a drafter checkpoint folder (no config.json)"
+        )
     source = load_drafter(Path(section.finetune_from), section.finetune_layer_convention, embedding=head.embed)
     problems = incompatibilities(source, drafter)
     if problems:
@@ -241,22 +247,27 @@ def _evaluate(drafter, head, cache, batches, section, device) -> dict[str, float
 
 
 def train(
-    params: Params,
+    section: TrainParams,
     verifier_dir: Path,
     extract_dir: Path,
     vocab_dir: Path,
     out_dir: Path,
     state_dir: Path,
     metrics_path: Path,
+    stage: str = "train",
+    sample_share: float = 1.0,
+    finish: Callable[[StageRun, Path], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Train (or resume) the drafter; write the speculators-format checkpoint and manifest to ``out_dir``,
-    held-out metrics to ``metrics_path``; resume state lives in ``state_dir``."""
+    held-out metrics to ``metrics_path``; resume state lives in ``state_dir``.
+
+    The baseline stage reuses this with its own ``stage`` name, a ``sample_share`` of the training samples and a
+    ``finish`` step (registration) that runs inside the same MLflow run and adds facts to the manifest."""
     from safetensors.torch import load_file
     from tqdm import tqdm
 
     from expman.verifier import resolve_device
 
-    section = params.train
     manifests = {
         "prepare": (verifier_dir / "manifest.json", read_manifest(verifier_dir / "manifest.json", "prepare")),
         "extract": (extract_dir / "manifest.json", read_manifest(extract_dir / "manifest.json", "extract")),
@@ -266,8 +277,12 @@ def train(
     extract_manifest = manifests["extract"][1]
     contract = extract_manifest["contract"]
     refs = index_samples(extract_manifest)
-    train_refs = [r for r in refs if not _is_val(r.sample_id, section.val_fraction)]
-    val_refs = [r for r in refs if _is_val(r.sample_id, section.val_fraction)]
+    val_refs = [r for r in refs if _hash_share(r.sample_id) < section.val_fraction]
+    train_refs = [
+        r
+        for r in refs
+        if _hash_share(r.sample_id) >= section.val_fraction and _hash_share(r.sample_id, "share") < sample_share
+    ]
     if not train_refs:
         raise ExpmanError(f"{extract_dir / 'manifest.json'}: no training samples left after the validation split")
     device = resolve_device(section.device)
@@ -290,17 +305,22 @@ def train(
             "manifest_sha256": sha256_file(Path(section.finetune_from) / "model.safetensors"),
         }
     plan_key = sha256_json(
-        {"params": section.model_dump(), "upstream": {k: v["manifest_sha256"] for k, v in upstream.items()}}
+        {
+            "params": section.model_dump(),
+            "sample_share": sample_share,
+            "upstream": {k: v["manifest_sha256"] for k, v in upstream.items()},
+        }
     )
     step = _resume(state_dir, plan_key, drafter, optimizer, scheduler, noise)
     cache = ShardCache(extract_manifest)
     val_batches = batch_plan(val_refs, section.max_tokens, section.seed, VAL_EPOCH) if val_refs else []
-    with stage_run("train", section.model_dump(), upstream) as run:
+    logged = section.model_dump() | ({"sample_share": sample_share} if sample_share < 1 else {})
+    with stage_run(stage, logged, upstream) as run:
         drafter.train()
         window: list[dict[str, float]] = []
         final: dict[str, float] = {}
         tokens, started = 0, time.perf_counter()
-        with tqdm(total=total_steps, initial=step, desc="train", unit="step") as bar:
+        with tqdm(total=total_steps, initial=step, desc=stage, unit="step") as bar:
             for epoch, batches in enumerate(plans):
                 if epoch_starts[epoch] + len(batches) <= step:
                     continue  # finished before a resume
@@ -338,6 +358,8 @@ def train(
         metrics = {"train_samples": len(train_refs), "val_samples": len(val_refs), "steps": step, **final}
         atomic_write_json(metrics_path, metrics)
         facts = {"contract": contract, "draft_vocab_size": drafter.config.draft_vocab_size, "metrics": metrics}
+        if finish is not None:
+            facts.update(finish(run, out_dir))
         return run.write_manifest(out_dir / "manifest.json", facts)
 
 

@@ -14,7 +14,7 @@ def main(params_file: str) -> None:
     """Train the drafter with the TTT unroll; resumes from models/.train-state after a kill."""
     with user_errors():
         train(
-            load_params(params_file),
+            load_params(params_file).train,
             paths.VERIFIER,
             paths.EXTRACT,
             paths.VOCAB,

@@ -100,7 +100,16 @@ def tiny_params(source: str) -> dict:
         },
         "extract": {"samples_per_shard": 3, "batch_tokens": 256},
         "vocab": {"draft_vocab_size": 64},
-        "train": {"epochs": 2, "max_tokens": 160, "log_every": 2, "checkpoint_every": 3, "val_fraction": 0.2},
+        "baseline": {"source": "train", "train": {"epochs": 1, "max_tokens": 160, "log_every": 2}},
+        "train": {
+            "epochs": 2,
+            "max_tokens": 160,
+            "log_every": 2,
+            "checkpoint_every": 3,
+            "val_fraction": 0.2,
+        },
+        "evaluate": {"ks": [1, 3], "max_prompts": 4, "max_new_tokens": 10},
+        "register": {"model_name": "auto"},
     }
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from expman import paths
@@ -21,7 +22,7 @@ from tests.test_pipeline import run_until
 
 def run_train() -> dict:
     return train(
-        load_params("params.yaml"),
+        load_params("params.yaml").train,
         paths.VERIFIER,
         paths.EXTRACT,
         paths.VOCAB,
@@ -102,8 +103,9 @@ def test_features_from_another_verifier_are_refused(project: Path) -> None:
 
 
 def _use_finetune(project: Path, source: str) -> None:
-    text = (project / "params.yaml").read_text().replace("train:\n", f"train:\n  finetune_from: {source}\n", 1)
-    (project / "params.yaml").write_text(text)
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["train"]["finetune_from"] = source
+    (project / "params.yaml").write_text(yaml.safe_dump(params))
 
 
 def test_finetune_starts_from_a_compatible_drafter(project: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -152,7 +154,9 @@ def test_incompatible_finetune_source_is_refused_naming_the_differences(project:
     assert not (project / paths.DRAFTER).exists()
 
 
-def test_missing_finetune_source_is_a_params_error(project: Path) -> None:
+def test_missing_finetune_source_is_refused_before_training(project: Path) -> None:
+    run_until("vocab")
     _use_finetune(project, "no-such-drafter")
-    with pytest.raises(ExpmanError, match=r"train.finetune_from: not a drafter checkpoint folder \(no config.json\)"):
-        load_params("params.yaml")
+    with pytest.raises(ExpmanError, match=r"^train.finetune_from: no-such-drafter: not a drafter checkpoint folder"):
+        run_train()
+    assert not (project / paths.DRAFTER).exists()

@@ -1,0 +1,96 @@
+"""baseline: the drafter every candidate is measured against, registered with alias ``baseline``.
+
+``baseline.source: train`` trains a small generic drafter from scratch on a share of the training samples (the
+embedded default's stand-in for a public drafter such as AQ-MedAI's for Kimi-K2); any other value is a drafter
+folder in speculators or EAGLE format, imported after validation and a check against the verifier. Either way
+the canonical checkpoint lands in ``models/baseline`` (the train stage may finetune from it) and a version of
+``eagle3-<verifier-slug>`` carries the alias ``baseline``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from expman.errors import ExpmanError
+from expman.params import Params
+from expman.provenance import atomic_write_json, read_manifest, sha256_file, upstream_entry
+from expman.tracking import StageRun, stage_run
+
+__all__ = ["baseline"]
+
+
+def _registrar(verifier_manifest: dict[str, Any], contract: dict[str, Any] | None):
+    """The finish step: register ``folder`` with alias ``baseline`` inside the stage's run."""
+    from expman.registry import contract_tags, register_drafter, registered_model_name
+
+    def finish(run: StageRun, folder: Path) -> dict[str, Any]:
+        name = registered_model_name(verifier_manifest)
+        tags = {"expman.role": "baseline", **(contract_tags(contract) if contract else {})}
+        version = register_drafter(run, folder, name, "baseline", tags)
+        return {"registered": {"name": name, "version": version, "alias": "baseline"}}
+
+    return finish
+
+
+def _import(params: Params, verifier_dir: Path, extract_dir: Path, out_dir: Path, metrics_path: Path) -> dict[str, Any]:
+    from expman.checkpoint import load_drafter, save_speculators
+    from expman.objective import VerifierHead
+
+    section = params.baseline
+    verifier_manifest = read_manifest(verifier_dir / "manifest.json", "prepare")
+    facts = verifier_manifest["verifier"]
+    contract = read_manifest(extract_dir / "manifest.json", "extract")["contract"]
+    source = Path(section.source)
+    drafter = load_drafter(source, section.layer_convention, embedding=VerifierHead.load(verifier_dir).embed)
+    for key in ("hidden_size", "vocab_size"):
+        if drafter.config.layer[key] != facts[key]:
+            raise ExpmanError(
+                f"baseline.source: {source}: {key} {drafter.config.layer[key]} != verifier's {facts[key]}"
+            )
+    notes = []
+    if list(drafter.config.aux_layer_ids) != list(contract["aux_layers"]):
+        notes.append(  # evaluable (the evaluator feeds its own ids), but train cannot finetune from it
+            f"aux_layer_ids {list(drafter.config.aux_layer_ids)} differ from the features' {contract['aux_layers']}"
+        )
+    upstream = {"prepare": upstream_entry(verifier_dir / "manifest.json", verifier_manifest)}
+    upstream["source"] = {"manifest": str(source), "manifest_sha256": sha256_file(next(source.glob("*.safetensors")))}
+    with stage_run("baseline", section.model_dump(), upstream) as run:
+        save_speculators(drafter, out_dir, str(verifier_dir), [facts["architecture"]], speculative_tokens=3)
+        registered = _registrar(verifier_manifest, contract)(run, out_dir)
+        atomic_write_json(metrics_path, {"imported_from": str(source), "contract_notes": notes})
+        return run.write_manifest(
+            out_dir / "manifest.json",
+            {"source": str(source), "contract_notes": notes, "contract": contract, **registered},
+        )
+
+
+def baseline(
+    params: Params,
+    verifier_dir: Path,
+    extract_dir: Path,
+    vocab_dir: Path,
+    out_dir: Path,
+    state_dir: Path,
+    metrics_path: Path,
+) -> dict[str, Any]:
+    """Train or import the baseline into ``out_dir`` and register it with alias ``baseline``."""
+    section = params.baseline
+    if section.source != "train":
+        return _import(params, verifier_dir, extract_dir, out_dir, metrics_path)
+    from expman.train import train
+
+    verifier_manifest = read_manifest(verifier_dir / "manifest.json", "prepare")
+    contract = read_manifest(extract_dir / "manifest.json", "extract")["contract"]
+    return train(
+        section.train,
+        verifier_dir,
+        extract_dir,
+        vocab_dir,
+        out_dir,
+        state_dir,
+        metrics_path,
+        stage="baseline",
+        sample_share=section.sample_fraction,
+        finish=_registrar(verifier_manifest, contract),
+    )

@@ -1,0 +1,409 @@
+"""evaluate: real speculative decoding in torch, the reference every engine number is checked against.
+
+The HF verifier keeps its KV cache; the drafter keeps its own (step-0 entries for every committed position, draft
+entries dropped after each round). Per round the drafter proposes a chain of k tokens, the verifier scores the
+pending token plus the k drafts in one forward, the longest agreeing prefix is accepted and the verifier's own
+next token is appended (the bonus). Greedy by default: every output must equal plain greedy decoding, and
+mismatches are counted, not hidden. With ``temperature > 0`` drafts are sampled and accepted by lossless
+rejection sampling (accept with min(1, p/q), else resample from max(p - q, 0)).
+
+Three arms on the held-out prompts in one run: no speculation, the baseline drafter and the candidate; arms are
+interleaved prompt by prompt so machine noise hits them alike, and speedup is always against the no-speculation
+arm of the same run. Per-prompt results are kept so ``expman compare`` can bootstrap confidence intervals.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from expman.drafter import Eagle3Drafter
+from expman.errors import ExpmanError
+from expman.generate import read_responses
+from expman.params import EvaluateParams, Params
+from expman.provenance import atomic_write_json, read_manifest, sha256_file, upstream_entry
+from expman.tracking import stage_run
+
+__all__ = ["DecodeStats", "evaluate", "greedy_decode", "select_prompts", "speculative_decode", "summarize"]
+
+
+@dataclass
+class DecodeStats:
+    """Counters of one speculative decode: rounds, accepted drafts (total and per chain position)."""
+
+    k: int
+    rounds: int = 0
+    accepted: int = 0
+    drafted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.accepted_per_position = self.accepted_per_position or [0] * self.k
+
+    def record(self, accepted: int) -> None:
+        self.rounds += 1
+        self.accepted += accepted
+        self.drafted += self.k
+        for position in range(accepted):
+            self.accepted_per_position[position] += 1
+
+
+class VerifierSession:
+    """The HF verifier with one growing KV cache; returns logits and, when asked, the drafter's aux states."""
+
+    def __init__(self, model: Any, aux_layer_ids: Sequence[int]):
+        from transformers import DynamicCache
+
+        self.model = model
+        self.aux_layer_ids = list(aux_layer_ids)
+        self.cache = DynamicCache(config=model.config)
+
+    def feed(self, ids: Sequence[int], with_aux: bool, last_only: bool = False) -> tuple[torch.Tensor, Any]:
+        """Append ``ids``; returns (logits [n or 1, V], aux [n, 3H] or None)."""
+        device = self.model.device
+        out = self.model(
+            input_ids=torch.tensor([list(ids)], device=device),
+            past_key_values=self.cache,
+            use_cache=True,
+            output_hidden_states=with_aux,
+            logits_to_keep=1 if last_only else 0,
+        )
+        aux = torch.cat([out.hidden_states[i][0] for i in self.aux_layer_ids], dim=-1).float() if with_aux else None
+        return out.logits[0].float(), aux
+
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` positions (the rejected drafts go)."""
+        extra = self.cache.get_seq_length() - length
+        if extra:
+            self.cache.crop(-extra)
+
+
+def _finished(tokens: list[int], eos_ids: set[int], max_new_tokens: int) -> bool:
+    return len(tokens) >= max_new_tokens or bool(tokens and tokens[-1] in eos_ids)
+
+
+def _append(tokens: list[int], new: list[int], eos_ids: set[int], max_new_tokens: int) -> None:
+    """Extend ``tokens`` with ``new`` up to the first EOS and the length limit."""
+    for token in new:
+        if _finished(tokens, eos_ids, max_new_tokens):
+            return
+        tokens.append(token)
+
+
+def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
+    if not temperature:
+        return int(logits.argmax())
+    probs = torch.softmax(logits / temperature, dim=-1)
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+
+@torch.inference_mode()
+def greedy_decode(
+    model: Any,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    eos_ids: set[int],
+    temperature: float = 0.0,
+    seed: int = 0,
+) -> list[int]:
+    """Plain decoding, one verifier forward per token: the no-speculation arm and the equality reference."""
+    generator = torch.Generator().manual_seed(seed)
+    session = VerifierSession(model, [])
+    logits, _ = session.feed(prompt_ids, with_aux=False, last_only=True)
+    tokens = [_pick(logits[-1], temperature, generator)]
+    while not _finished(tokens, eos_ids, max_new_tokens):
+        logits, _ = session.feed(tokens[-1:], with_aux=False)
+        tokens.append(_pick(logits[-1], temperature, generator))
+    return tokens
+
+
+def _context_mask(new: int, cached: int, device: Any) -> torch.Tensor | None:
+    """New context positions see every cached entry and each other causally (None when one position)."""
+    if new == 1:
+        return None
+    causal = torch.ones(new, new, dtype=torch.bool, device=device).tril()
+    return torch.cat([torch.ones(new, cached, dtype=torch.bool, device=device), causal], dim=1)[None, None]
+
+
+class DrafterSession:
+    """The drafter's KV cache: step-0 entries for committed positions; a round's draft entries are dropped."""
+
+    def __init__(self, drafter: Eagle3Drafter):
+        self.drafter = drafter
+        self.caches: list[list] = [[] for _ in drafter.layers]
+        self.length = 0  # committed positions
+
+    def extend(self, aux: torch.Tensor, next_ids: Sequence[int]) -> torch.Tensor:
+        """Commit positions ``length..length+n-1`` (aux [n, 3H], the token after each); returns the hidden [1, 1, H]
+        of the last one."""
+        for cache in self.caches:  # drop the last round's drafts, keep one merged step-0 chunk
+            if cache:
+                keys = torch.cat([c[0] for c in cache], dim=2)[:, :, : self.length]
+                values = torch.cat([c[1] for c in cache], dim=2)[:, :, : self.length]
+                cache[:] = [(keys, values)]
+        n = aux.shape[0]
+        device = aux.device
+        positions = torch.arange(self.length, self.length + n, device=device)[None]
+        ids = torch.tensor([list(next_ids)], device=device)
+        mask = _context_mask(n, self.length, device)
+        hidden = self.drafter.decode(self.drafter.fc(aux[None]), ids, positions, self.caches, mask)
+        self.length += n
+        return hidden[:, -1:]
+
+    def draft(
+        self, hidden: torch.Tensor, k: int, temperature: float, generator: torch.Generator | None
+    ) -> tuple[list[int], list[torch.Tensor]]:
+        """A chain of k target-vocab tokens from the last committed position, with their draft distributions
+        (draft vocab; only used when sampling)."""
+        drafter = self.drafter
+        tokens: list[int] = []
+        dists: list[torch.Tensor] = []
+        for step in range(k):
+            logits = drafter.draft_logits(hidden)[0, -1].float()
+            if temperature:
+                dists.append(torch.softmax(logits / temperature, dim=-1))
+            draft_id = _pick(logits, temperature, generator)
+            tokens.append(int(drafter.draft_to_target(torch.tensor(draft_id, device=logits.device))))
+            if step + 1 < k:
+                position = torch.tensor([[self.length - 1 + step + 1]], device=hidden.device)
+                ids = torch.tensor([[tokens[-1]]], device=hidden.device)
+                hidden = drafter.decode(hidden, ids, position, self.caches)
+        return tokens, dists
+
+
+def _accept(
+    drafts: list[int],
+    dists: list[torch.Tensor],
+    logits: torch.Tensor,
+    t2d: torch.Tensor,
+    temperature: float,
+    generator: torch.Generator | None,
+) -> tuple[int, int]:
+    """(accepted draft count, the verifier's next token). Greedy: the longest prefix equal to the verifier's
+    argmax. Sampling: lossless rejection sampling against the verifier's distribution."""
+    if not temperature:
+        targets = logits.argmax(-1).tolist()
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
+            accepted += 1
+        return accepted, targets[accepted]
+    draft_ids = torch.nonzero(t2d).flatten()
+    for index, token in enumerate(drafts):
+        p = torch.softmax(logits[index] / temperature, dim=-1)
+        q = torch.zeros_like(p)
+        q[draft_ids] = dists[index]
+        if float(torch.rand((), generator=generator)) * float(q[token]) <= float(p[token]):
+            continue
+        residual = (p - q).clamp(min=0)
+        residual = residual / residual.sum() if residual.sum() > 0 else p
+        return index, int(torch.multinomial(residual.cpu(), 1, generator=generator))
+    return len(drafts), _pick(logits[len(drafts)], temperature, generator)
+
+
+@torch.inference_mode()
+def speculative_decode(
+    model: Any,
+    drafter: Eagle3Drafter,
+    prompt_ids: Sequence[int],
+    k: int,
+    max_new_tokens: int,
+    eos_ids: set[int],
+    temperature: float = 0.0,
+    seed: int = 0,
+) -> tuple[list[int], DecodeStats]:
+    """Decode with a chain of k drafts per verifier forward; returns the tokens and the acceptance counters."""
+    generator = torch.Generator().manual_seed(seed)
+    verifier = VerifierSession(model, drafter.config.aux_layer_ids)
+    logits, aux = verifier.feed(prompt_ids, with_aux=True, last_only=True)
+    pending = _pick(logits[-1], temperature, generator)
+    tokens = [pending]
+    session = DrafterSession(drafter)
+    hidden = session.extend(aux, [*prompt_ids[1:], pending])
+    stats = DecodeStats(k)
+    while not _finished(tokens, eos_ids, max_new_tokens):
+        drafts, dists = session.draft(hidden, k, temperature, generator)
+        logits, aux = verifier.feed([pending, *drafts], with_aux=True)
+        accepted, bonus = _accept(drafts, dists, logits, drafter.t2d, temperature, generator)
+        stats.record(accepted)
+        verifier.crop(len(prompt_ids) + len(tokens) + accepted)
+        committed = [*drafts[:accepted], bonus]
+        _append(tokens, committed, eos_ids, max_new_tokens)
+        pending = bonus
+        if not _finished(tokens, eos_ids, max_new_tokens):
+            hidden = session.extend(aux[: accepted + 1], committed)
+    return tokens, stats
+
+
+def select_prompts(records: list[dict[str, Any]], limit: int | None) -> list[dict[str, Any]]:
+    """Up to ``limit`` records, taken round-robin over categories (in id order) so every category is represented."""
+    by_category: dict[str, list[dict[str, Any]]] = {}
+    for record in sorted(records, key=lambda r: r["id"]):
+        by_category.setdefault(record["category"], []).append(record)
+    chosen: list[dict[str, Any]] = []
+    queues = [list(v) for _, v in sorted(by_category.items())]
+    while queues and (limit is None or len(chosen) < limit):
+        for queue in queues:
+            if queue and (limit is None or len(chosen) < limit):
+                chosen.append(queue.pop(0))
+        queues = [q for q in queues if q]
+    return chosen
+
+
+def _pooled(rows: list[dict[str, Any]], k: int) -> dict[str, Any]:
+    rounds = sum(r["rounds"] for r in rows)
+    accepted = sum(r["accepted"] for r in rows)
+    drafted = sum(r["drafted"] for r in rows)
+    per_position = [sum(r["accepted_per_position"][i] for r in rows) for i in range(k)]
+    return {
+        "tau": (accepted + rounds) / rounds if rounds else 1.0,
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "per_position": [count / rounds if rounds else 0.0 for count in per_position],
+        "tok_per_s": sum(r["tokens"] for r in rows) / max(sum(r["seconds"] for r in rows), 1e-9),
+        "greedy_mismatches": sum(r["matches_greedy"] is False for r in rows),
+    }
+
+
+def summarize(prompts: list[dict[str, Any]], arms: list[str], ks: list[int]) -> dict[str, Any]:
+    """τ, acceptance, per-position rates, tok/s and speedup per arm and k, overall and per category."""
+
+    def block(rows: list[dict[str, Any]]) -> dict[str, Any]:
+        nospec = sum(r["nospec"]["tokens"] for r in rows) / max(sum(r["nospec"]["seconds"] for r in rows), 1e-9)
+        result: dict[str, Any] = {"prompts": len(rows), "nospec": {"tok_per_s": nospec}}
+        for arm in arms:
+            result[arm] = {}
+            for k in ks:
+                pooled = _pooled([r[arm][str(k)] for r in rows], k)
+                pooled["speedup"] = pooled["tok_per_s"] / nospec
+                result[arm][f"k{k}"] = pooled
+        return result
+
+    categories = sorted({p["category"] for p in prompts})
+    return {
+        **block(prompts),
+        "by_category": {c: block([p for p in prompts if p["category"] == c]) for c in categories},
+    }
+
+
+def _load_arm(path: Path, embedding: torch.Tensor, verifier: dict[str, Any], device: str) -> Eagle3Drafter:
+    from expman.checkpoint import load_drafter
+
+    drafter = load_drafter(path, embedding=embedding)
+    layer = drafter.config.layer
+    for key, expected in (("hidden_size", verifier["hidden_size"]), ("vocab_size", verifier["vocab_size"])):
+        if layer[key] != expected:
+            raise ExpmanError(f"{path}: drafter {key} {layer[key]} does not match the verifier's {expected}")
+    if max(drafter.config.aux_layer_ids) > verifier["num_hidden_layers"]:
+        raise ExpmanError(f"{path}: aux layer ids {list(drafter.config.aux_layer_ids)} exceed the verifier's layers")
+    return drafter.to(device).eval()
+
+
+def _arm_row(tokens: list[int], stats: DecodeStats, seconds: float, reference: list[int] | None) -> dict[str, Any]:
+    return {
+        "rounds": stats.rounds,
+        "accepted": stats.accepted,
+        "drafted": stats.drafted,
+        "accepted_per_position": stats.accepted_per_position,
+        "tokens": len(tokens),
+        "seconds": seconds,
+        "matches_greedy": None if reference is None else tokens == reference,
+    }
+
+
+def evaluate(
+    params: Params,
+    verifier_dir: Path,
+    generated_dir: Path,
+    drafter_dir: Path,
+    out_dir: Path,
+    metrics_path: Path,
+) -> dict[str, Any]:
+    """Run the three arms on the held-out prompts; write ``evaluation.json`` (per-prompt results + summary) and
+    ``manifest.json`` to ``out_dir`` and the summary to ``metrics_path``."""
+    from tqdm import tqdm
+
+    from expman.objective import VerifierHead
+    from expman.verifier import load_tokenizer, load_verifier, resolve_device, resolve_dtype
+
+    section: EvaluateParams = params.evaluate
+    verifier_manifest = read_manifest(verifier_dir / "manifest.json", "prepare")
+    generated_manifest = read_manifest(generated_dir / "manifest.json", "generate")
+    if generated_manifest["verifier"] != verifier_manifest["verifier"]:
+        raise ExpmanError(
+            f"{generated_dir / 'manifest.json'}: responses come from another verifier than {verifier_dir}"
+        )
+    prompts = select_prompts(read_responses(generated_dir, section.split), section.max_prompts)
+    if not prompts:
+        raise ExpmanError(f"{generated_dir / 'manifest.json'}: no successful {section.split!r} records to evaluate on")
+    arm_paths = {"candidate": drafter_dir}
+    if section.baseline:
+        arm_paths = {"baseline": Path(section.baseline), **arm_paths}
+    upstream = {
+        "prepare": upstream_entry(verifier_dir / "manifest.json", verifier_manifest),
+        "generate": upstream_entry(generated_dir / "manifest.json", generated_manifest),
+    }
+    for arm, path in arm_paths.items():
+        stage = "train" if arm == "candidate" else "baseline"
+        upstream[arm] = upstream_entry(path / "manifest.json", read_manifest(path / "manifest.json", stage))
+    device = resolve_device(section.device)
+    dtype = resolve_dtype(section.dtype, device)
+    embedding = VerifierHead.load(verifier_dir).embed
+    drafters = {
+        arm: _load_arm(path, embedding, verifier_manifest["verifier"], device) for arm, path in arm_paths.items()
+    }
+    model = load_verifier(verifier_dir, device, dtype)
+    tokenizer = load_tokenizer(verifier_dir)
+    eos = model.generation_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos]) | {tokenizer.eos_token_id}
+    temperature, seed, limit = section.temperature, section.seed, section.max_new_tokens
+    rows = []
+    with stage_run("evaluate", section.model_dump(), upstream) as run:
+        first = prompts[0]["input_ids"][: prompts[0]["prompt_tokens"]]
+        greedy_decode(model, first, 8, eos_ids)  # warm-up outside the timings
+        for drafter in drafters.values():
+            speculative_decode(model, drafter, first, max(section.ks), 8, eos_ids)
+        for record in tqdm(prompts, desc="evaluate", unit="prompt"):
+            prompt_ids = record["input_ids"][: record["prompt_tokens"]]
+            started = time.perf_counter()
+            reference = greedy_decode(model, prompt_ids, limit, eos_ids, temperature, seed)
+            row: dict[str, Any] = {
+                "id": record["id"],
+                "category": record["category"],
+                "nospec": {"tokens": len(reference), "seconds": time.perf_counter() - started},
+            }
+            for arm, drafter in drafters.items():
+                row[arm] = {}
+                for k in section.ks:
+                    started = time.perf_counter()
+                    tokens, stats = speculative_decode(model, drafter, prompt_ids, k, limit, eos_ids, temperature, seed)
+                    seconds = time.perf_counter() - started
+                    row[arm][str(k)] = _arm_row(tokens, stats, seconds, None if temperature else reference)
+            rows.append(row)
+        summary = summarize(rows, list(drafters), section.ks)
+        evaluation = {
+            "ks": section.ks,
+            "max_new_tokens": limit,
+            "temperature": temperature,
+            "device": device,
+            "target": f"torch-{device}-batch1",
+            "arms": {
+                arm: {"path": str(p), "sha256": sha256_file(p / "model.safetensors")} for arm, p in arm_paths.items()
+            },
+            "prompts": rows,
+            "summary": summary,
+        }
+        atomic_write_json(out_dir / "evaluation.json", evaluation)
+        run.log_artifact(out_dir / "evaluation.json")
+        flat = {"nospec/tok_per_s": summary["nospec"]["tok_per_s"]}
+        for arm in drafters:
+            for key, values in summary[arm].items():
+                flat.update({f"{arm}/{key}/{name}": values[name] for name in ("tau", "acceptance_rate", "speedup")})
+                flat[f"{arm}/{key}/greedy_mismatches"] = values["greedy_mismatches"]
+        run.log_metrics(flat)
+        atomic_write_json(metrics_path, {k: v for k, v in summary.items() if k != "by_category"})
+        facts = {"prompts": len(rows), "ks": section.ks, "arms": evaluation["arms"], "summary_file": "evaluation.json"}
+        return run.write_manifest(out_dir / "manifest.json", facts)

