@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from expman.errors import ExpmanError
-from expman.registry import DRAFTER_SHA_TAG, resolve_model, resolve_version
+from expman.registry import DRAFTER_SHA_TAG, INTEGRATION_FAULT_TAG, resolve_model, resolve_version
 from expman.tables import markdown_table, text_table
 from expman.tracking import RegistryReader, VersionRecord
 
@@ -106,6 +106,8 @@ def _metrics(arm: ArmResults, resamples: np.ndarray | None = None) -> dict[str, 
 
 
 def _number(value: Any) -> float | None:
+    if value is None:
+        return None
     value = float(value)
     return None if np.isnan(value) or np.isinf(value) else value
 
@@ -226,9 +228,38 @@ def _rows(
                 "greedy_mismatches": mismatches,
                 "greedy_unchecked": unchecked,
                 "metrics": compare_arms(arm, base_arm),
+                "engine": _engine(version, chain),
             }
         )
     return rows
+
+
+def _engine(version: VersionRecord, k: int) -> dict[str, Any]:
+    """The benchmark stage's verdict and engine numbers at k, as the register stage tagged them."""
+    tags = version.tags
+
+    def number(name: str) -> float | None:
+        return _number(tags.get(f"expman.engine.k{k}.{name}"))
+
+    return {
+        "name": tags.get("expman.engine"),
+        "tau": number("tau"),
+        "speedup": number("speedup"),
+        "tau_ratio": number("tau_ratio"),
+        "integration_fault": tags.get(INTEGRATION_FAULT_TAG, "not measured"),
+        "reasons": tags.get(INTEGRATION_FAULT_TAG + ".reasons"),
+    }
+
+
+def _engine_note(engine: Mapping[str, Any]) -> str:
+    if engine["integration_fault"] == "true":
+        return f"INTEGRATION FAULT in {engine['name']}: {engine['reasons']}"
+    if engine["tau"] is None:
+        return f"engine: {engine['name'] or 'not benchmarked'}"
+    return (
+        f"engine {engine['name']}: tau {engine['tau']:.3f} ({engine['tau_ratio']:.2f}x reference), "
+        f"speedup {engine['speedup']:.3f}x, integration fault {engine['integration_fault']}"
+    )
 
 
 def compare(
@@ -283,7 +314,7 @@ def _notes(report: Mapping[str, Any]) -> list[str]:
             greedy = "outputs not checked against greedy (sampling)"
         notes.append(
             f"{row['label']} k={row['k']}: {row['prompts']} prompts on {row['target'] or 'an unnamed target'}, "
-            f"evaluate run {row['evaluate_run_id']}, {paired}, {greedy}"
+            f"evaluate run {row['evaluate_run_id']}, {paired}, {greedy}; {_engine_note(row['engine'])}"
         )
     return notes
 

@@ -29,7 +29,15 @@ from expman.params import EvaluateParams, Params
 from expman.provenance import atomic_write_json, read_manifest, sha256_file, upstream_entry
 from expman.tracking import stage_run
 
-__all__ = ["DecodeStats", "evaluate", "greedy_decode", "select_prompts", "speculative_decode", "summarize"]
+__all__ = [
+    "DecodeStats",
+    "evaluate",
+    "greedy_decode",
+    "select_prompts",
+    "speculative_decode",
+    "summarize",
+    "trained_aux_layers",
+]
 
 
 @dataclass
@@ -289,10 +297,27 @@ def summarize(prompts: list[dict[str, Any]], arms: list[str], ks: list[int]) -> 
     }
 
 
+def trained_aux_layers(drafter_dir: Path) -> list[int] | None:
+    """The aux layers a drafter trained here was trained on (its manifest's capture contract); None for an
+    imported drafter, whose checkpoint is the only record."""
+    import json
+
+    manifest = json.loads((drafter_dir / "manifest.json").read_text())
+    contract = manifest.get("contract")
+    return None if contract is None or manifest.get("source") else list(contract["aux_layers"])
+
+
 def _load_arm(path: Path, embedding: torch.Tensor, verifier: dict[str, Any], device: str) -> Eagle3Drafter:
+    """The drafter, fed the layers it was trained on: the reference measures the drafter, not its config (an
+    engine reads the config; the benchmark stage flags the difference as an integration fault)."""
+    import dataclasses
+
     from expman.checkpoint import load_drafter
 
     drafter = load_drafter(path, embedding=embedding)
+    trained = trained_aux_layers(path)
+    if trained is not None:
+        drafter.config = dataclasses.replace(drafter.config, aux_layer_ids=tuple(trained))
     layer = drafter.config.layer
     for key, expected in (("hidden_size", verifier["hidden_size"]), ("vocab_size", verifier["vocab_size"])):
         if layer[key] != expected:
@@ -391,7 +416,12 @@ def evaluate(
             "device": device,
             "target": f"torch-{device}-batch1",
             "arms": {
-                arm: {"path": str(p), "sha256": sha256_file(p / "model.safetensors")} for arm, p in arm_paths.items()
+                arm: {
+                    "path": str(p),
+                    "sha256": sha256_file(p / "model.safetensors"),
+                    "aux_layers": list(drafters[arm].config.aux_layer_ids),  # as fed here: the trained ones
+                }
+                for arm, p in arm_paths.items()
             },
             "prompts": rows,
             "summary": summary,

@@ -17,6 +17,7 @@ from expman.errors import ExpmanError
 
 __all__ = [
     "BaselineParams",
+    "BenchmarkParams",
     "DatasetSpec",
     "EvaluateParams",
     "ExtractParams",
@@ -254,6 +255,23 @@ class EvaluateParams(Section):
         return sorted(value)
 
 
+class BenchmarkParams(Section):
+    """benchmark: the evaluate stage's prompts, length and arms in a serving engine; the integration-fault gate."""
+
+    engine: Literal["vllm", "none"] = "vllm"
+    """vllm: the offline ``LLM`` (CPU: ``pip install '.[engine]'``); none: skip, recorded as not measured."""
+    ks: list[Annotated[int, Field(ge=1, le=16)]] | None = None
+    """Chain lengths to run; null = every k the evaluation measured. One engine start per arm and k."""
+    tau_ratio: float = Field(default=0.8, gt=0.0, le=1.0)
+    """Integration fault when engine τ < tau_ratio × the reference evaluator's τ (same prompts and k)."""
+    position0_ratio: float = Field(default=0.5, gt=0.0, le=1.0)
+    """...or when the engine's position-0 acceptance rate < position0_ratio × the reference's."""
+    seed: int = 0
+    device: Device = "auto"
+    dtype: Dtype = "auto"
+    """auto: float32 on CPU, bfloat16 on CUDA."""
+
+
 class RegisterParams(Section):
     """register: the trained drafter as a new version of the registered model, with alias ``candidate``."""
 
@@ -290,6 +308,7 @@ class Params(Section):
     baseline: BaselineParams
     train: TrainParams
     evaluate: EvaluateParams
+    benchmark: BenchmarkParams
     register_: RegisterParams = Field(default=RegisterParams(), alias="register")
     """The ``register`` section; the attribute has a trailing ``_`` because pydantic models already have a
     ``register`` (ABCMeta's)."""

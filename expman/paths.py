@@ -6,6 +6,8 @@ __all__ = [
     "BASELINE",
     "BASELINE_METRICS",
     "BASELINE_STATE",
+    "BENCHMARK",
+    "BENCHMARK_METRICS",
     "DRAFTER",
     "EVALUATE",
     "EVALUATE_METRICS",
@@ -31,3 +33,5 @@ TRAIN_METRICS = Path("metrics/train.json")  # train: held-out per-step accuracy 
 EVALUATE = Path("data/evaluate")  # evaluate: evaluation.json (per-prompt results + summary) + manifest.json
 EVALUATE_METRICS = Path("metrics/evaluate.json")  # evaluate: τ, acceptance, speedup per arm and k
 REGISTERED = Path("models/registered.json")  # register: the registered model name, version and models:/ URI
+BENCHMARK = Path("data/benchmark")  # benchmark: benchmark.json (engine vs reference numbers, verdicts) + manifest
+BENCHMARK_METRICS = Path("metrics/benchmark.json")  # benchmark: engine τ and speedup, integration_fault per arm

@@ -25,13 +25,11 @@ from typing import Any
 from expman.compare import compare
 from expman.errors import ExpmanError
 from expman.params import PromoteParams
-from expman.registry import check_alias, resolve_model, resolve_version
+from expman.registry import INTEGRATION_FAULT_TAG, check_alias, resolve_model, resolve_version
 from expman.tables import text_table
 from expman.tracking import RegistryReader, VersionRecord, set_alias, set_version_tags
 
-__all__ = ["Gate", "INTEGRATION_FAULT_TAG", "evaluate_gates", "promote", "render_gates"]
-
-INTEGRATION_FAULT_TAG = "expman.integration_fault"
+__all__ = ["Gate", "evaluate_gates", "promote", "render_gates"]
 
 
 @dataclass(frozen=True)

@@ -17,26 +17,57 @@ from expman.compare import summary_metrics
 from expman.errors import ExpmanError
 from expman.params import RegisterParams
 from expman.provenance import read_manifest, sha256_file, upstream_entry
-from expman.registry import contract_tags, register_drafter, registered_model_name
+from expman.registry import INTEGRATION_FAULT_TAG, contract_tags, register_drafter, registered_model_name
 from expman.tracking import lineage_tags, stage_run
 
-__all__ = ["register"]
+__all__ = ["engine_tags", "register"]
 
 
 def _read_evaluation(path: Path) -> dict[str, Any]:
     if not path.is_file():
-        raise ExpmanError(f"{path}: not found; run `dvc repro evaluate` first")
+        raise ExpmanError(f"{path}: not found; run `dvc repro {path.parent.name}` first")
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise ExpmanError(f"{path}: not valid JSON") from None
 
 
+def engine_tags(benchmark: dict[str, Any]) -> dict[str, str]:
+    """The candidate's engine numbers and integration-fault verdict as version tags (``expman promote`` refuses
+    ``expman.integration_fault=true``)."""
+    if benchmark.get("skipped"):
+        return {"expman.engine": "none", INTEGRATION_FAULT_TAG: "not measured"}
+    arm = benchmark["arms"]["candidate"]
+    tags = {"expman.engine": benchmark.get("engine_version") or benchmark["engine"]}
+    tags[INTEGRATION_FAULT_TAG] = "true" if arm["integration_fault"] else "false"
+    for k, result in arm["k"].items():
+        tags[f"expman.engine.k{k}.tau"] = f"{result['engine']['tau']:.6g}"
+        tags[f"expman.engine.k{k}.speedup"] = f"{result['engine']['speedup']:.6g}"
+        tags[f"expman.engine.k{k}.tau_ratio"] = f"{result['tau_ratio']:.6g}"
+    reasons = sorted({reason for result in arm["k"].values() for reason in result["reasons"]})
+    if reasons:
+        tags[INTEGRATION_FAULT_TAG + ".reasons"] = "; ".join(reasons)[:4000]
+    return tags
+
+
 def register(
-    section: RegisterParams, drafter_dir: Path, evaluate_dir: Path, verifier_dir: Path, vocab_dir: Path, out_path: Path
+    section: RegisterParams,
+    drafter_dir: Path,
+    evaluate_dir: Path,
+    benchmark_dir: Path,
+    verifier_dir: Path,
+    vocab_dir: Path,
+    out_path: Path,
 ) -> dict[str, Any]:
-    """Register ``drafter_dir`` with the evaluation in ``evaluate_dir``; write ``out_path``; return its content."""
-    inputs = {"prepare": verifier_dir, "vocab": vocab_dir, "train": drafter_dir, "evaluate": evaluate_dir}
+    """Register ``drafter_dir`` with the evaluation in ``evaluate_dir`` and the engine benchmark in
+    ``benchmark_dir``; write ``out_path``; return its content."""
+    inputs = {
+        "prepare": verifier_dir,
+        "vocab": vocab_dir,
+        "train": drafter_dir,
+        "evaluate": evaluate_dir,
+        "benchmark": benchmark_dir,
+    }
     manifests = {stage: read_manifest(folder / "manifest.json", stage) for stage, folder in inputs.items()}
     evaluation_path = evaluate_dir / "evaluation.json"
     evaluation = _read_evaluation(evaluation_path)
@@ -47,6 +78,11 @@ def register(
             f"{evaluation_path}: evaluates another drafter (candidate sha256 {evaluated}), not {drafter_dir}; "
             "rerun `dvc repro evaluate`"
         )
+    measured = manifests["benchmark"]["provenance"]["upstream"]["evaluate"]["manifest_sha256"]
+    if measured != sha256_file(evaluate_dir / "manifest.json"):
+        where = benchmark_dir / "manifest.json"
+        raise ExpmanError(f"{where}: benchmarks another evaluation; rerun `dvc repro benchmark`")
+    benchmark = _read_evaluation(benchmark_dir / "benchmark.json")
     evaluate_run = manifests["evaluate"]["provenance"].get("mlflow_run_id")
     if not evaluate_run:
         raise ExpmanError(f"{evaluate_dir / 'manifest.json'}: no MLflow run id; compare could not find the results")
@@ -59,6 +95,7 @@ def register(
         **contract_tags(manifests["train"]["contract"]),
         **{f"expman.metrics.{name}": f"{value:.6g}" for name, value in metrics.items()},
         "expman.evaluate.run_id": evaluate_run,
+        **engine_tags(benchmark),
     }
     upstream = {stage: upstream_entry(folder / "manifest.json", manifests[stage]) for stage, folder in inputs.items()}
     with stage_run("register", section.model_dump(), upstream) as run:

@@ -36,6 +36,7 @@ from expman.tracking import (
 __all__ = [
     "ALIASES",
     "DRAFTER_SHA_TAG",
+    "INTEGRATION_FAULT_TAG",
     "check_alias",
     "contract_tags",
     "export_version",
@@ -51,6 +52,7 @@ ALIASES = ("baseline", "candidate", "champion")
 IMPORT_ALIASES = ("baseline", "candidate")  # champion only through `expman promote` and its gates
 MODEL_PREFIX = "eagle3-"
 DRAFTER_SHA_TAG = "expman.drafter.sha256"
+INTEGRATION_FAULT_TAG = "expman.integration_fault"  # "true" blocks `expman promote`; set by the register stage
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,255}")
 RUN_ID = re.compile(r"[0-9a-f]{32}")
 QUANT_SUFFIX = re.compile(

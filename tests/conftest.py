@@ -109,6 +109,7 @@ def tiny_params(source: str) -> dict:
             "val_fraction": 0.2,
         },
         "evaluate": {"ks": [1, 3], "max_prompts": 4, "max_new_tokens": 10},
+        "benchmark": {"engine": "none"},  # vLLM cannot serve the tiny random model; the slow tier runs it
         "register": {"model_name": "auto"},
     }
 

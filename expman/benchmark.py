@@ -1,0 +1,156 @@
+"""benchmark: the evaluate stage's arms again in a serving engine, and the integration-fault verdict.
+
+The prompts, output length and k are the reference evaluation's, so engine and reference numbers describe the
+same work. Per arm the engine runs greedy over all prompts in one batch (the offline ``LLM``); acceptance comes
+from the deltas of the engine's cumulative spec-decode counters around the timed batch, speedup from the
+no-speculation arm of the same run. A drafter is marked ``integration_fault`` when its checkpoint tells the
+engine other aux layers than it was trained on (the DESIGN.md failure: ids off by one between engines), or when
+the engine's τ falls below ``tau_ratio`` × the reference τ or its position-0 rate below ``position0_ratio`` ×
+the reference's. Engine outputs are compared with the engine's own no-speculation outputs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from expman.errors import ExpmanError
+from expman.generate import read_responses
+from expman.params import Params
+from expman.provenance import atomic_write_json, read_manifest, upstream_entry
+from expman.tracking import stage_run
+
+__all__ = ["benchmark", "contract_mismatch"]
+
+
+def contract_mismatch(drafter_dir: Path) -> str | None:
+    """Why an engine would feed this drafter other aux layers than it was trained on, or None.
+
+    The checkpoint's ``eagle_aux_hidden_state_layer_ids`` is what an engine reads; the manifest of a drafter
+    trained here records the capture contract of its features (an imported one has none to hold it to)."""
+    from expman.checkpoint import read_checkpoint
+    from expman.evaluate import trained_aux_layers
+
+    trained = trained_aux_layers(drafter_dir)
+    served = list(read_checkpoint(drafter_dir)[1].aux_layer_ids)
+    if trained is not None and served != trained:
+        return f"{drafter_dir}/config.json serves aux layers {served}, the drafter was trained on {trained}"
+    return None
+
+
+def _engine_numbers(arm: Any, k: int, nospec: Any, nospec_tok_per_s: float | None) -> dict[str, Any]:
+    from expman.engine_metrics import from_vllm_metrics
+
+    counters = from_vllm_metrics(arm.metrics_after) - from_vllm_metrics(arm.metrics_before)
+    tok_per_s = sum(len(o) for o in arm.outputs) / arm.seconds
+    rates = list(counters.per_position_rates)[:k]
+    return {
+        "tau": counters.tau,
+        "acceptance_rate": counters.acceptance_rate,
+        "per_position": rates + [0.0] * (k - len(rates)),
+        "tok_per_s": tok_per_s,
+        "speedup": tok_per_s / nospec_tok_per_s if nospec_tok_per_s else None,
+        "outputs_equal_to_nospec": sum(a == b for a, b in zip(arm.outputs, nospec.outputs, strict=True)),
+        "counters": {
+            "drafts": counters.drafts,
+            "draft_tokens": counters.draft_tokens,
+            "accepted_tokens": counters.accepted_tokens,
+            "accepted_per_position": list(counters.accepted_per_position),
+        },
+        "seconds": arm.seconds,
+        "settings": arm.settings,
+    }
+
+
+def benchmark(
+    params: Params,
+    verifier_dir: Path,
+    generated_dir: Path,
+    evaluate_dir: Path,
+    out_dir: Path,
+    metrics_path: Path,
+) -> dict[str, Any]:
+    """Run no speculation, baseline and candidate in the engine at the evaluation's ks; write ``benchmark.json``
+    (engine numbers, reference numbers, verdicts) and ``manifest.json`` to ``out_dir``, a summary to
+    ``metrics_path``."""
+    from expman.fault_gate import integration_fault
+    from expman.verifier import resolve_device
+
+    section = params.benchmark
+    verifier_manifest = read_manifest(verifier_dir / "manifest.json", "prepare")
+    evaluate_manifest = read_manifest(evaluate_dir / "manifest.json", "evaluate")
+    evaluation = json.loads((evaluate_dir / "evaluation.json").read_text())
+    ks = section.ks or evaluation["ks"]
+    missing = sorted(set(ks) - set(evaluation["ks"]))
+    if missing:
+        raise ExpmanError(f"benchmark.ks: {missing} were not evaluated (evaluate.ks is {evaluation['ks']})")
+    upstream = {
+        "prepare": upstream_entry(verifier_dir / "manifest.json", verifier_manifest),
+        "evaluate": upstream_entry(evaluate_dir / "manifest.json", evaluate_manifest),
+    }
+    split = evaluate_manifest["provenance"]["params"]["split"]
+    by_id = {r["id"]: r for r in read_responses(generated_dir, split)}
+    prompts = [by_id[row["id"]]["input_ids"][: by_id[row["id"]]["prompt_tokens"]] for row in evaluation["prompts"]]
+    arms = {name: Path(arm["path"]) for name, arm in evaluation["arms"].items()}
+    static = {name: contract_mismatch(path) for name, path in arms.items()}
+    result: dict[str, Any] = {"engine": section.engine, "ks": ks, "prompts": len(prompts), "arms": {}}
+    with stage_run("benchmark", section.model_dump(), upstream) as run:
+        if section.engine == "none":
+            result["skipped"] = "benchmark.engine is none: no engine numbers, no integration-fault verdict"
+        else:
+            from expman.vllm_engine import run_vllm_arm, vllm_version
+
+            device = resolve_device(section.device)
+            dtype = {"auto": "float32" if device == "cpu" else "bfloat16"}.get(section.dtype, section.dtype)
+            result["engine_version"] = vllm_version()
+            common = dict(
+                model_dir=verifier_dir,
+                prompts=prompts,
+                max_new_tokens=evaluation["max_new_tokens"],
+                device=device,
+                dtype=dtype,
+                seed=section.seed,
+                trust_remote_code=verifier_manifest["trust_remote_code"],
+            )
+            nospec = run_vllm_arm(drafter_dir=None, k=0, **common)
+            nospec_tok_per_s = sum(len(o) for o in nospec.outputs) / nospec.seconds
+            result["nospec"] = {"tok_per_s": nospec_tok_per_s, "seconds": nospec.seconds, "settings": nospec.settings}
+            for name, path in arms.items():
+                result["arms"][name] = {"path": str(path), "static_fault": static[name], "k": {}}
+                for k in ks:
+                    engine = _engine_numbers(run_vllm_arm(drafter_dir=path, k=k, **common), k, nospec, nospec_tok_per_s)
+                    reference = evaluation["summary"][name][f"k{k}"]
+                    verdict = integration_fault(reference, engine, section.tau_ratio, section.position0_ratio)
+                    reasons = ([static[name]] if static[name] else []) + list(verdict.reasons)
+                    result["arms"][name]["k"][str(k)] = {
+                        "engine": engine,
+                        "reference": {key: reference[key] for key in ("tau", "per_position", "speedup")},
+                        "tau_ratio": verdict.tau_ratio_measured,
+                        "integration_fault": bool(reasons),
+                        "reasons": reasons,
+                    }
+                    run.log_metrics(
+                        {
+                            f"{name}/k{k}/engine_tau": engine["tau"],
+                            f"{name}/k{k}/engine_speedup": engine["speedup"] or 0.0,
+                            f"{name}/k{k}/tau_ratio": verdict.tau_ratio_measured,
+                        }
+                    )
+                arm = result["arms"][name]
+                arm["integration_fault"] = any(v["integration_fault"] for v in arm["k"].values())
+        atomic_write_json(out_dir / "benchmark.json", result)
+        run.log_artifact(out_dir / "benchmark.json")
+        summary = {
+            "engine": result["engine"],
+            **({"nospec_tok_per_s": result["nospec"]["tok_per_s"]} if "nospec" in result else {}),
+            **{
+                name: {
+                    "integration_fault": arm["integration_fault"],
+                    **{f"k{k}": {x: v["engine"][x] for x in ("tau", "speedup")} for k, v in arm["k"].items()},
+                }
+                for name, arm in result["arms"].items()
+            },
+        }
+        atomic_write_json(metrics_path, summary)
+        return run.write_manifest(out_dir / "manifest.json", {"engine": section.engine, "summary": summary})

@@ -1,0 +1,160 @@
+"""The benchmark stage and the integration-fault gate: a checkpoint whose config serves other aux layers than it
+was trained on is flagged (statically and by the engine), the reference evaluator keeps feeding the trained
+layers, `benchmark.engine: none` is recorded as not measured; the slow tier runs the default recipe through vLLM
+on CPU, checks the engine's τ against the reference evaluator's and refuses to promote a shifted export."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from expman import paths
+from expman.benchmark import benchmark, contract_mismatch
+from expman.errors import ExpmanError
+from expman.params import load_params
+from tests.test_dvc import REPO, _run, make_dvc_project
+
+
+def _shift_served_layers(drafter: Path, by: int = 1) -> list[int]:
+    """Rewrite the checkpoint's aux ids (what an engine reads), as a faulty export would; weights untouched."""
+    config_path = drafter / "config.json"
+    config = json.loads(config_path.read_text())
+    config["eagle_aux_hidden_state_layer_ids"] = [i + by for i in config["eagle_aux_hidden_state_layer_ids"]]
+    config_path.write_text(json.dumps(config))
+    return config["eagle_aux_hidden_state_layer_ids"]
+
+
+def _trained_project(project: Path) -> None:
+    from expman.baseline import baseline
+    from expman.evaluate import evaluate
+    from expman.train import train
+    from tests.test_pipeline import run_until
+
+    run_until("vocab")
+    params = load_params("params.yaml")
+    baseline(
+        params, paths.VERIFIER, paths.EXTRACT, paths.VOCAB, paths.BASELINE, paths.BASELINE_STATE, paths.BASELINE_METRICS
+    )
+    train(
+        params.train, paths.VERIFIER, paths.EXTRACT, paths.VOCAB, paths.DRAFTER, paths.TRAIN_STATE, paths.TRAIN_METRICS
+    )
+    evaluate(params, paths.VERIFIER, paths.GENERATED, paths.DRAFTER, paths.EVALUATE, paths.EVALUATE_METRICS)
+
+
+def test_a_shifted_export_is_flagged_and_the_reference_keeps_the_trained_layers(project: Path) -> None:
+    _trained_project(project)
+    assert contract_mismatch(project / paths.DRAFTER) is None
+    contract = json.loads((project / paths.DRAFTER / "manifest.json").read_text())["contract"]["aux_layers"]
+    served = _shift_served_layers(project / paths.DRAFTER)
+    reason = contract_mismatch(paths.DRAFTER)
+    assert reason == f"{paths.DRAFTER}/config.json serves aux layers {served}, the drafter was trained on {contract}"
+
+    from expman.evaluate import evaluate
+
+    evaluate(
+        load_params("params.yaml"),
+        paths.VERIFIER,
+        paths.GENERATED,
+        paths.DRAFTER,
+        paths.EVALUATE,
+        paths.EVALUATE_METRICS,
+    )
+    evaluation = json.loads((project / paths.EVALUATE / "evaluation.json").read_text())
+    assert evaluation["arms"]["candidate"]["aux_layers"] == contract  # the reference measures the drafter itself
+
+
+def test_engine_none_is_recorded_as_not_measured(project: Path) -> None:
+    _trained_project(project)
+    manifest = benchmark(
+        load_params("params.yaml"),
+        paths.VERIFIER,
+        paths.GENERATED,
+        paths.EVALUATE,
+        paths.BENCHMARK,
+        paths.BENCHMARK_METRICS,
+    )
+    result = json.loads((project / paths.BENCHMARK / "benchmark.json").read_text())
+    assert "engine is none" in result["skipped"] and result["arms"] == {}
+    assert manifest["provenance"]["upstream"]["evaluate"]["manifest_sha256"]
+
+    from expman.register import engine_tags
+
+    assert engine_tags(result) == {"expman.engine": "none", "expman.integration_fault": "not measured"}
+
+
+def test_benchmark_ks_must_have_been_evaluated(project: Path) -> None:
+    _trained_project(project)
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["benchmark"]["ks"] = [2]
+    (project / "params.yaml").write_text(yaml.safe_dump(params))
+    with pytest.raises(ExpmanError, match=r"^benchmark.ks: \[2\] were not evaluated"):
+        benchmark(
+            load_params("params.yaml"),
+            paths.VERIFIER,
+            paths.GENERATED,
+            paths.EVALUATE,
+            paths.BENCHMARK,
+            paths.BENCHMARK_METRICS,
+        )
+    assert not (project / paths.BENCHMARK).exists()
+
+
+@pytest.fixture(scope="module")
+def smollm2_project(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default recipe at a CI-sized scale, through evaluate: 64 train prompts, 8 held-out, k = 3."""
+    pytest.importorskip("vllm")
+    pytest.importorskip("gguf")
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params["generate"].update(max_new_tokens=96, batch_size=32, shard_size=32)
+    params["baseline"]["train"].update(epochs=1)
+    params["train"].update(epochs=3)
+    params["evaluate"].update(ks=[3], max_prompts=8, max_new_tokens=48)
+    project = make_dvc_project(tmp_path_factory.mktemp("smollm2-engine"), params, train=64, heldout=8)
+    _run([sys.executable, "-m", "dvc", "repro", "evaluate"], project)
+    return project
+
+
+def _expman(project: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    return subprocess.run(["expman", *args], cwd=project, env=env, capture_output=True, text=True)
+
+
+@pytest.mark.slow
+def test_vllm_agrees_with_the_reference_evaluator_on_smollm2(smollm2_project: Path) -> None:
+    project = smollm2_project
+    _run([sys.executable, "-m", "dvc", "repro"], project)  # benchmark (vLLM CPU) and register
+    result = json.loads((project / paths.BENCHMARK / "benchmark.json").read_text())
+    assert result["engine_version"].startswith("vllm")
+    for arm in ("baseline", "candidate"):
+        measured = result["arms"][arm]["k"]["3"]
+        engine, reference = measured["engine"], measured["reference"]
+        assert measured["integration_fault"] is False, measured["reasons"]
+        assert abs(engine["tau"] - reference["tau"]) <= 0.1 * reference["tau"], (arm, engine["tau"], reference["tau"])
+        assert engine["outputs_equal_to_nospec"] >= 6  # of 8: batched greedy may flip near-ties
+    compare = _expman(project, "compare", "@candidate", "--json")
+    assert compare.returncode == 0, compare.stderr
+    row = json.loads(compare.stdout)["rows"][0]
+    assert row["engine"]["integration_fault"] == "false" and row["engine"]["tau"] > 1.0
+
+
+@pytest.mark.slow
+def test_a_shifted_export_is_an_integration_fault_and_cannot_be_promoted(smollm2_project: Path) -> None:
+    project = smollm2_project
+    _shift_served_layers(project / paths.DRAFTER)
+    _run([sys.executable, "-m", "dvc", "repro", "--single-item", "benchmark"], project)
+    _run([sys.executable, "-m", "dvc", "repro", "--single-item", "register"], project)
+    result = json.loads((project / paths.BENCHMARK / "benchmark.json").read_text())
+    candidate = result["arms"]["candidate"]
+    assert candidate["integration_fault"] is True
+    assert "serves aux layers [3, 16, 28], the drafter was trained on [2, 15, 27]" in candidate["static_fault"]
+    registered = json.loads((project / paths.REGISTERED).read_text())
+    refused = _expman(project, "promote", registered["model_name"], str(registered["version"]), "--alias", "champion")
+    assert refused.returncode != 0
+    assert "integration_fault: measured true" in refused.stderr, refused.stderr
