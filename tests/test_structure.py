@@ -71,3 +71,21 @@ def test_ui_binds_loopback_and_the_project_store(tmp_path: Path, monkeypatch) ->
     assert command[command.index("--host") + 1] == "127.0.0.1"
     assert command[command.index("--backend-store-uri") + 1] == f"sqlite:///{tmp_path.resolve() / 'mlflow.db'}"
     assert command[command.index("--default-artifact-root") + 1] == (tmp_path.resolve() / "mlartifacts").as_uri()
+
+
+def test_no_pickle_loads_anywhere() -> None:
+    """Weights are safetensors; the one torch.load (train resume state) passes weights_only=True; nothing
+    imports pickle or loads numpy pickles."""
+    for folder in ("expman", "stages", "benchmarks"):
+        for path in (REPO / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import | ast.ImportFrom):
+                    modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                    assert not any(m.split(".")[0] in ("pickle", "dill", "joblib") for m in modules), path
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "load":
+                    owner = ast.unparse(node.func.value)
+                    keywords = {k.arg: ast.unparse(k.value) for k in node.keywords}
+                    if owner == "torch":
+                        assert keywords.get("weights_only") == "True", f"{path}:{node.lineno}"
+                    if owner in ("np", "numpy"):
+                        assert keywords.get("allow_pickle") in (None, "False"), f"{path}:{node.lineno}"
