@@ -28,6 +28,8 @@ import click
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # tests.registry_fixtures: the evaluation.json generator the tests use
 
+from reporting import cpu_name, write_report  # noqa: E402
+
 from expman.provenance import package_versions  # noqa: E402
 from tests.registry_fixtures import synthetic_evaluation  # noqa: E402
 
@@ -93,16 +95,6 @@ def _time(command: list[str], cwd: Path, env: dict[str, str], repeats: int) -> d
     }
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
 @click.command()
 @click.option("--versions", default=1000, show_default=True)
 @click.option("--prompts", default=48, show_default=True, help="prompts per evaluation.json")
@@ -140,7 +132,7 @@ def main(versions: int, prompts: int, repeats: int, out: Path | None) -> None:
             },
             "goal_s": 2.0,
             "machine": {
-                "cpu": _cpu_model(),
+                "cpu": cpu_name(),
                 "cores": os.cpu_count(),
                 "platform": platform.platform(),
                 "python": platform.python_version(),
@@ -149,11 +141,7 @@ def main(versions: int, prompts: int, repeats: int, out: Path | None) -> None:
         }
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    text = json.dumps(result, indent=2)
-    click.echo(text)
-    if out:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text + "\n")
+    write_report(result, out)
 
 
 def _version(package: str) -> str:

@@ -11,8 +11,6 @@ Also bytes written per token against 4·H·2 (three aux states + the final state
 
 from __future__ import annotations
 
-import json
-import platform
 import shutil
 import statistics
 import sys
@@ -22,6 +20,7 @@ from pathlib import Path
 
 import click
 import torch
+from reporting import cpu_name, write_report
 
 from expman.extract import CaptureHooks, default_aux_layers, extract_shard
 from expman.params import ExtractParams
@@ -36,15 +35,6 @@ def _samples(vocab: int, count: int, length: int, seed: int) -> list[dict]:
         {"id": f"s{k}", "ids": torch.randint(0, vocab, (length,), generator=generator).tolist(), "prompt_tokens": 32}
         for k in range(count)
     ]
-
-
-def _cpu_name() -> str:
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.machine()
 
 
 def _time(fn, repeats: int) -> list[float]:
@@ -117,7 +107,7 @@ def main(verifier: Path, samples: int, length: int, batch_tokens: int, repeats: 
     report = {
         "benchmark": "extract_throughput",
         "command": "python " + " ".join(sys.argv),
-        "device": torch.cuda.get_device_name() if device == "cuda" else _cpu_name(),
+        "device": torch.cuda.get_device_name() if device == "cuda" else cpu_name(),
         "cpu_threads": torch.get_num_threads(),
         "dtype": str(dtype),
         "model": {"layers": config.num_hidden_layers, "hidden": config.hidden_size, "vocab": config.vocab_size},
@@ -130,9 +120,7 @@ def main(verifier: Path, samples: int, length: int, batch_tokens: int, repeats: 
         "bytes_ratio": stored / tokens / hidden_bytes,
         "packages": package_versions(),
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    click.echo(json.dumps(report, indent=2))
+    write_report(report, out)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ Default: SmolLM2-135M-Instruct's shape (H 576, 9/3 heads, I 1536, vocab 49152, d
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import click
 import torch
+from reporting import write_report
 
 from expman.drafter import DrafterConfig, Eagle3Drafter
 from expman.extract import default_aux_layers
@@ -116,9 +116,7 @@ def main(
         "tok_per_s": tokens / median,
         "packages": package_versions(),
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    click.echo(json.dumps(report, indent=2))
+    write_report(report, out)
 
 
 if __name__ == "__main__":

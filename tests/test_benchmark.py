@@ -69,9 +69,8 @@ def test_a_shifted_export_is_flagged_and_the_reference_keeps_the_trained_layers(
     assert evaluation["arms"]["candidate"]["aux_layers"] == contract  # the reference measures the drafter itself
 
 
-def test_engine_none_is_recorded_as_not_measured(project: Path) -> None:
-    _trained_project(project)
-    manifest = benchmark(
+def _run_benchmark() -> dict:
+    return benchmark(
         load_params("params.yaml"),
         paths.VERIFIER,
         paths.GENERATED,
@@ -79,6 +78,11 @@ def test_engine_none_is_recorded_as_not_measured(project: Path) -> None:
         paths.BENCHMARK,
         paths.BENCHMARK_METRICS,
     )
+
+
+def test_engine_none_is_recorded_as_not_measured(project: Path) -> None:
+    _trained_project(project)
+    manifest = _run_benchmark()
     result = json.loads((project / paths.BENCHMARK / "benchmark.json").read_text())
     assert "engine is none" in result["skipped"] and result["arms"] == {}
     assert manifest["provenance"]["upstream"]["evaluate"]["manifest_sha256"]
@@ -94,14 +98,7 @@ def test_benchmark_ks_must_have_been_evaluated(project: Path) -> None:
     params["benchmark"]["ks"] = [2]
     (project / "params.yaml").write_text(yaml.safe_dump(params))
     with pytest.raises(ExpmanError, match=r"^benchmark.ks: \[2\] were not evaluated"):
-        benchmark(
-            load_params("params.yaml"),
-            paths.VERIFIER,
-            paths.GENERATED,
-            paths.EVALUATE,
-            paths.BENCHMARK,
-            paths.BENCHMARK_METRICS,
-        )
+        _run_benchmark()
     assert not (project / paths.BENCHMARK).exists()
 
 
