@@ -1,122 +1,283 @@
 """Training throughput of expman's real training step (``expman.train.training_step``: TTT loss, backward,
-clip, AdamW, schedule) at a verifier's drafter shape, on random features.
+clip, AdamW, schedule; on CUDA the same compiled layers and flex attention as ``expman.train.train``) at a
+verifier's drafter shape, on random features.
 
-Default: SmolLM2-135M-Instruct's shape (H 576, 9/3 heads, I 1536, vocab 49152, draft vocab 8192), TTT 3,
-1024-token packed batches of 256-token documents, float32 on CPU.
+CPU default: SmolLM2-135M-Instruct's shape, TTT 3, 1024-token batches of 256-token documents, float32.
 
   python benchmarks/train_throughput.py --out benchmarks/results/train_cpu.json
+
+GPU (``--gpu``): the peer harness's configs (llama3-8b TTT 3 and 7, kimi-k2 TTT 3; 8192 tokens packed in
+documents of 2048, draft vocab 32000, bf16 autocast), each followed in the same process run by the peer
+(speculators' own Eagle3DraftModel, ``--peer``: the harness script of ../shared/bench) at the same config:
+
+  python benchmarks/train_throughput.py --gpu --peer ../shared/bench/speculators_anchor.py \\
+      --out benchmarks/results/train_gpu_h200.json
+
+MFU uses the FLOP count the peer harness states (matmuls of q/k/v/o, MLP and both lm_heads, causal attention
+within documents; the verifier's full-vocab top-1 that expman's loss also computes is not counted), against
+the 790 TFLOP/s bf16 matmul rate measured on the H200.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import click
 import torch
-from reporting import write_report
+from reporting import cpu_name, write_report
 
 from expman.drafter import DrafterConfig, Eagle3Drafter
 from expman.extract import default_aux_layers
 from expman.objective import Packed, VerifierHead
 from expman.params import TrainParams
 from expman.provenance import package_versions
-from expman.train import new_optimizer, training_step
+from expman.train import autocasts, compiles, new_optimizer, training_step
 from expman.verifier import resolve_device
 
-SHAPES = {
-    "smollm2-135m": {
-        "hidden_size": 576,
-        "intermediate_size": 1536,
-        "num_attention_heads": 9,
-        "num_key_value_heads": 3,
+PEAK_BF16_FLOPS = 790e12
+"""Dense bf16 matmul rate on random data measured on one H200 (the peer harness's PEAK)."""
+
+
+def _llama(hidden: int, intermediate: int, heads: int, kv_heads: int, vocab: int, layers: int) -> dict:
+    return {
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
         "rms_norm_eps": 1e-5,
-        "max_position_embeddings": 8192,
-        "vocab_size": 49152,
+        "max_position_embeddings": 131072,
+        "vocab_size": vocab,
         "hidden_act": "silu",
-        "rope_theta": 100000.0,
-        "num_hidden_layers": 30,
-    },
+        "rope_theta": 500000.0,
+        "num_hidden_layers": layers,
+    }
+
+
+SHAPES = {
+    "smollm2-135m": _llama(576, 1536, 9, 3, 49152, 30) | {"rope_theta": 100000.0, "max_position_embeddings": 8192},
+    "llama3-8b": _llama(4096, 14336, 32, 8, 128256, 32),
+    "kimi-k2": _llama(7168, 18432, 64, 8, 163840, 61),
 }
+GPU_CONFIGS = [("llama3-8b", 3), ("llama3-8b", 7), ("kimi-k2", 3)]
 
 
-def _batch(shape: dict, tokens: int, document: int, generator: torch.Generator) -> Packed:
+def harness_flops_per_token(shape: dict, draft_vocab: int, document: int, ttt: int) -> float:
+    """Training FLOPs per token as the peer harness counts them (forward + backward, no verifier-head grad)."""
+    hidden, inter = shape["hidden_size"], shape["intermediate_size"]
+    kv_width = shape["num_key_value_heads"] * hidden // shape["num_attention_heads"]
+    step_params = 2 * hidden * hidden + 2 * 2 * hidden * kv_width + hidden * hidden + 3 * hidden * inter
+    step_params += hidden * draft_vocab
+    attention = 4 * hidden * document / 2
+    verifier_head = 2 * hidden * draft_vocab
+    forward = 6 * hidden * hidden + sum(2 * step_params + attention * (1 + s) for s in range(ttt)) + verifier_head
+    return forward + 2 * (forward - verifier_head)
+
+
+def _batch(shape: dict, tokens: int, document: int, generator: torch.Generator, device: str) -> Packed:
+    """Random packed documents in the shard dtype (bf16 features), made on the device."""
     hidden, vocab = shape["hidden_size"], shape["vocab_size"]
     documents = []
     for _ in range(tokens // document):
-        mask = torch.ones(document, dtype=torch.bool)
+        mask = torch.ones(document, dtype=torch.bool, device=device)
         mask[:32] = False
         documents.append(
             {
-                "input_ids": torch.randint(0, vocab, (document,), generator=generator),
+                "input_ids": torch.randint(0, vocab, (document,), generator=generator, device=device),
                 "loss_mask": mask,
-                "aux_hidden_states": torch.randn(document, 3 * hidden, generator=generator),
-                "final_hidden_states": torch.randn(document, hidden, generator=generator),
+                "aux_hidden_states": torch.randn(
+                    document, 3 * hidden, generator=generator, device=device, dtype=torch.bfloat16
+                ),
+                "final_hidden_states": torch.randn(
+                    document, hidden, generator=generator, device=device, dtype=torch.bfloat16
+                ),
             }
         )
-    return Packed.of(documents)
+    return Packed.of(documents).to(device)
+
+
+def measure(
+    shape_name: str,
+    tokens: int,
+    document: int,
+    ttt: int,
+    draft_vocab: int,
+    warmup: int,
+    steps: int,
+    device: str,
+    profile: Path | None = None,
+) -> dict:
+    """Time ``steps`` training steps after ``warmup`` (compilation happens there) on fresh random batches."""
+    shape = SHAPES[shape_name]
+    generator = torch.Generator(device=device).manual_seed(0)
+    hidden, vocab = shape["hidden_size"], shape["vocab_size"]
+    section = TrainParams(ttt_steps=ttt, max_tokens=tokens)
+    head = VerifierHead(
+        torch.randn(vocab, hidden, generator=generator, device=device) * 0.02,
+        torch.ones(hidden, device=device),
+        shape["rms_norm_eps"],
+        torch.randn(vocab, hidden, generator=generator, device=device) * 0.02,
+    ).to(device, torch.bfloat16 if autocasts(section, device) else None)
+    config = DrafterConfig.from_verifier(shape, draft_vocab, default_aux_layers(shape["num_hidden_layers"]))
+    drafter = Eagle3Drafter(config)
+    with torch.no_grad():
+        chosen = torch.randperm(vocab)[:draft_vocab].sort().values
+        drafter.t2d[chosen] = True
+        drafter.d2t.copy_(chosen - torch.arange(draft_vocab))
+    drafter = drafter.to(device)
+    if compiles(section, device):
+        drafter.compile_for_training()
+    optimizer, scheduler = new_optimizer(drafter, section, total_steps=warmup + steps)
+    noise = torch.Generator(device=device).manual_seed(0)
+    times, metrics = [], {}
+    for index in range(warmup + steps):
+        batch = _batch(shape, tokens, document, generator, device)
+        if index == warmup and device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        metrics = training_step(drafter, head, batch, optimizer, scheduler, section, noise, device)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if index >= warmup:
+            times.append(time.perf_counter() - started)
+    if profile is not None:
+        _profile(lambda: training_step(drafter, head, batch, optimizer, scheduler, section, noise, device), profile)
+    median = statistics.median(times)
+    flops = harness_flops_per_token(shape, draft_vocab, document, ttt)
+    result = {
+        "shape": shape_name,
+        "ttt_steps": ttt,
+        "tokens_per_step": tokens,
+        "document_tokens": document,
+        "draft_vocab": draft_vocab,
+        "trainable_params": sum(p.numel() for p in drafter.parameters() if p.requires_grad),
+        "step_s": {"median": median, "min": min(times), "max": max(times)},
+        "tok_per_s": tokens / median,
+        "mfu_harness_count": tokens / median * flops / PEAK_BF16_FLOPS if device == "cuda" else None,
+        "loss_last_step": metrics.get("loss"),
+    }
+    if device == "cuda":
+        result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return result
+
+
+def _profile(step, out: Path) -> None:
+    """Two more steps under the torch profiler; the kernels by total CUDA time go to ``out`` as a table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+    out.write_text(profiler.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70))
+
+
+def _measure_apart(config: str, **options) -> dict:
+    """One config in a fresh process, as the peer runs: no compile caches or allocator state carried over."""
+    argv = [sys.executable, __file__, "--config", config, "--out", os.devnull]
+    for name, value in options.items():
+        if value is not None:
+            argv += [f"--{name.replace('_', '-')}", str(value)]
+    done = subprocess.run(argv, capture_output=True, text=True)
+    lines = [line for line in done.stdout.splitlines() if line.startswith('{"shape"')]
+    if done.returncode or not lines:
+        return {"config": config, "error": done.stderr[-1500:]}
+    return json.loads(lines[-1])
+
+
+def run_peer(peer: Path, shape: str, tokens: int, document: int, ttt: int) -> dict:
+    """The peer harness at the same config, in a subprocess (its own CUDA context and allocator)."""
+    config = f"{shape}:{tokens}:{document}:{ttt}:simple_flex_attention:eager"
+    with tempfile.TemporaryDirectory() as out:
+        done = subprocess.run(
+            [sys.executable, str(peer), config], capture_output=True, text=True, env=os.environ | {"OUT": out}
+        )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode or not lines:
+        return {"config": config, "error": (done.stderr or done.stdout)[-800:]}
+    return json.loads(lines[-1]) | {"config": config}
 
 
 @click.command()
+@click.option("--gpu", is_flag=True, help="the peer harness's three configs on CUDA")
+@click.option("--peer", type=click.Path(exists=True, path_type=Path), help="peer harness script (with --gpu)")
 @click.option("--shape", type=click.Choice(sorted(SHAPES)), default="smollm2-135m", show_default=True)
 @click.option("--tokens", default=1024, show_default=True, help="tokens per packed batch")
 @click.option("--document", default=256, show_default=True, help="tokens per document")
 @click.option("--ttt", default=3, show_default=True)
 @click.option("--draft-vocab", default=8192, show_default=True)
-@click.option("--steps", default=6, show_default=True, help="timed steps (after 2 warm-up steps)")
+@click.option("--warmup", default=2, show_default=True, help="untimed steps first (compilation on CUDA)")
+@click.option("--steps", default=6, show_default=True, help="timed steps")
 @click.option("--device", default="auto", show_default=True)
+@click.option("--config", help="SHAPE:TTT, measured alone and printed as one JSON line (used by --gpu)")
+@click.option("--profile", type=click.Path(path_type=Path), help="write a kernel table of two extra steps here")
 @click.option("--out", type=click.Path(path_type=Path), required=True)
 def main(
-    shape: str, tokens: int, document: int, ttt: int, draft_vocab: int, steps: int, device: str, out: Path
+    gpu: bool,
+    peer: Path | None,
+    shape: str,
+    tokens: int,
+    document: int,
+    ttt: int,
+    draft_vocab: int,
+    warmup: int,
+    steps: int,
+    device: str,
+    config: str | None,
+    profile: Path | None,
+    out: Path,
 ) -> None:
-    device = resolve_device(device)
-    verifier = SHAPES[shape]
-    generator = torch.Generator().manual_seed(0)
-    hidden, vocab = verifier["hidden_size"], verifier["vocab_size"]
-    head = VerifierHead(
-        torch.randn(vocab, hidden, generator=generator) * 0.02,
-        torch.ones(hidden),
-        verifier["rms_norm_eps"],
-        torch.randn(vocab, hidden, generator=generator) * 0.02,
-    ).to(device)
-    config = DrafterConfig.from_verifier(verifier, draft_vocab, default_aux_layers(verifier["num_hidden_layers"]))
-    drafter = Eagle3Drafter(config)
-    with torch.no_grad():
-        chosen = torch.randperm(vocab, generator=generator)[:draft_vocab].sort().values
-        drafter.t2d[chosen] = True
-        drafter.d2t.copy_(chosen - torch.arange(draft_vocab))
-    drafter = drafter.to(device)
-    section = TrainParams(ttt_steps=ttt, max_tokens=tokens)
-    optimizer, scheduler = new_optimizer(drafter, section, total_steps=steps + 2)
-    noise = torch.Generator().manual_seed(0)
-    batches = [_batch(verifier, tokens, document, generator).to(device) for _ in range(steps + 2)]
-    times = []
-    for index, batch in enumerate(batches):
-        started = time.perf_counter()
-        training_step(drafter, head, batch, optimizer, scheduler, section, noise, device)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        if index >= 2:
-            times.append(time.perf_counter() - started)
-    median = statistics.median(times)
-    report = {
-        "benchmark": "train_throughput",
-        "command": "python " + " ".join(sys.argv),
-        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-        "cpu_threads": torch.get_num_threads(),
-        "shape": shape,
-        "tokens_per_step": tokens,
-        "document_tokens": document,
-        "ttt_steps": ttt,
-        "draft_vocab": draft_vocab,
-        "trainable_params": sum(p.numel() for p in drafter.parameters() if p.requires_grad),
-        "step_s": {"median": median, "min": min(times), "max": max(times)},
-        "tok_per_s": tokens / median,
-        "packages": package_versions(),
-    }
-    write_report(report, out)
+    if config:
+        shape, ttt = config.split(":")[0], int(config.split(":")[1])
+        result = measure(shape, tokens, document, ttt, draft_vocab, warmup, steps, resolve_device(device), profile)
+        click.echo(json.dumps(result))
+        return
+    if gpu:
+        device, tokens, document, draft_vocab, warmup, steps = "cuda", 8192, 2048, 32000, 4, 12
+        configs = GPU_CONFIGS
+    else:
+        device, configs = resolve_device(device), [(shape, ttt)]
+    results = []
+    for index, (shape_name, steps_ttt) in enumerate(configs):
+        ours = _measure_apart(
+            f"{shape_name}:{steps_ttt}",
+            tokens=tokens,
+            document=document,
+            draft_vocab=draft_vocab,
+            warmup=warmup,
+            steps=steps,
+            device=device,
+            profile=profile.with_suffix(f".{index}.txt") if profile else None,
+        )
+        row = {"expman": ours}
+        if peer is not None:
+            theirs = run_peer(peer, shape_name, tokens, document, steps_ttt)
+            row["speculators"] = theirs
+            if "tok_per_s" in theirs and "tok_per_s" in ours:
+                row["tok_per_s_ratio"] = ours["tok_per_s"] / theirs["tok_per_s"]
+                row["peak_memory_ratio"] = ours["peak_gib"] / theirs["peak_gib"]
+        click.echo(json.dumps(row), err=True)
+        results.append(row)
+    write_report(
+        {
+            "benchmark": "train_throughput",
+            "command": "python " + " ".join(sys.argv),
+            "device": torch.cuda.get_device_name() if device == "cuda" else cpu_name(),
+            "cpu_threads": torch.get_num_threads(),
+            "peak_bf16_flops": PEAK_BF16_FLOPS if device == "cuda" else None,
+            "results": results,
+            "packages": package_versions(),
+        },
+        out,
+    )
 
 
 if __name__ == "__main__":

@@ -151,6 +151,8 @@ def _read(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         config = json.loads(config_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise ExpmanError(f"{config_file}: not valid JSON") from None
+    if not isinstance(config, dict):
+        raise ExpmanError(f"{config_file}: expected a JSON object")
     weights = sorted(folder.glob("*.safetensors"))
     if not weights:
         raise ExpmanError(f"{folder}: no .safetensors weights (pickle checkpoints are not loaded)")
@@ -163,12 +165,20 @@ def _read(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     return config, tensors
 
 
+def _integer(value: Any) -> bool:
+    """A JSON integer (not a bool, a float or a string)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _to_canonical(config: dict[str, Any], tensors: dict, convention: Convention | None, folder: Path) -> tuple:
     """(DrafterConfig, tensors named as Eagle3Drafter's state dict) from either format."""
     if config.get("speculators_model_type") == "eagle3":
         stated = config.get("expman_layer_convention", "vllm")  # speculators ids are vLLM's by definition
         ids = config.get("eagle_aux_hidden_state_layer_ids")
-        layer = dict(config["transformer_layer_config"])
+        layer = config.get("transformer_layer_config")
+        if not isinstance(layer, dict):
+            raise ExpmanError(f"{folder}/config.json: transformer_layer_config must be an object, got {layer!r}")
+        layer = dict(layer)
     elif EAGLE_ARCHITECTURE in config.get("architectures", []) or any(k.startswith("midlayer.") for k in tensors):
         stated = config.get("expman_layer_convention") or convention
         ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or config.get(
@@ -188,7 +198,7 @@ def _to_canonical(config: dict[str, Any], tensors: dict, convention: Convention 
         raise ExpmanError(f"{folder}/config.json: neither speculators (speculators_model_type) nor EAGLE format")
     if convention is not None and convention != stated:
         raise ExpmanError(f"{folder}/config.json: layer ids are in the {stated} convention, not {convention}")
-    if not ids or len(ids) != 3:
+    if not isinstance(ids, list) or len(ids) != 3 or not all(map(_integer, ids)):
         raise ExpmanError(f"{folder}/config.json: eagle_aux_hidden_state_layer_ids must list 3 layer ids, got {ids}")
     if "norm_before_residual" not in config:
         raise ExpmanError(f"{folder}/config.json: norm_before_residual is missing (engines default it differently)")
@@ -196,6 +206,10 @@ def _to_canonical(config: dict[str, Any], tensors: dict, convention: Convention 
     missing = [k for k in keys if k not in layer]
     if missing:
         raise ExpmanError(f"{folder}/config.json: layer config lacks {', '.join(missing)}")
+    sizes = {**{k: layer[k] for k in keys}, "draft_vocab_size": config.get("draft_vocab_size")}
+    wrong = [k for k, v in sizes.items() if not (_integer(v) and v > 0)]
+    if wrong:
+        raise ExpmanError(f"{folder}/config.json: {wrong[0]} must be a positive integer, got {sizes[wrong[0]]!r}")
     layer.setdefault("head_dim", layer["hidden_size"] // layer["num_attention_heads"])
     layer.setdefault("rms_norm_eps", 1e-6)
     if "rope_parameters" not in layer:
@@ -266,6 +280,12 @@ def load_drafter(
     if "embed_tokens.weight" not in tensors:
         if embedding is None:
             raise ExpmanError(f"{folder}: embed_tokens is not in the checkpoint; load it with the verifier's embedding")
+        shape = [drafter_config.layer["vocab_size"], drafter_config.layer["hidden_size"]]
+        if list(embedding.shape) != shape:
+            raise ExpmanError(
+                f"{folder}: tensor embed_tokens.weight must be {shape}, the verifier's is {list(embedding.shape)} "
+                "(a drafter for another verifier)"
+            )
         tensors["embed_tokens.weight"] = embedding
     model = Eagle3Drafter(drafter_config)
     tensors = {

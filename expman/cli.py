@@ -42,6 +42,22 @@ def params_check(params_file: str, as_json: bool) -> None:
 
 
 @main.command()
+@click.option("--params", "params_file", default="params.yaml", show_default=True, help="params file")
+@click.option("--json", "as_json", is_flag=True, help="print JSON")
+def doctor(params_file: str, as_json: bool) -> None:
+    """Check GPU memory holders, free disk for extract, the capture contract across manifest, checkpoints and
+    registry, and library versions; each problem comes with the command that fixes it. Exit code 1 on an error."""
+    from pathlib import Path
+
+    from expman.doctor import diagnose, render_json, render_text
+
+    findings = diagnose(Path(params_file))
+    click.echo(render_json(findings) if as_json else render_text(findings))
+    if any(f.level == "error" for f in findings):
+        raise SystemExit(1)
+
+
+@main.command()
 @click.option("--host", default="127.0.0.1", show_default=True, help="interface to bind; 0.0.0.0 exposes it")
 @click.option("--port", default=5000, show_default=True, type=int)
 def ui(host: str, port: int) -> None:

@@ -13,6 +13,7 @@ sees at inference, where its own k earlier drafts sit in the KV cache after the 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +28,10 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
-__all__ = ["DrafterConfig", "Eagle3Drafter", "ttt_attention_mask"]
+__all__ = ["DrafterConfig", "Eagle3Drafter", "ttt_attention_mask", "ttt_block_masks"]
+
+FLEX_BLOCK = 128
+"""Token block of flex attention's sparse masks; the flex path pads a batch to a multiple of it."""
 
 
 @dataclass(frozen=True)
@@ -100,8 +104,21 @@ class DraftAttention(nn.Module):
         cache.append((k, v))
         keys = torch.cat([c[0] for c in cache], dim=2)
         values = torch.cat([c[1] for c in cache], dim=2)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.kv_heads != self.heads)
+        if isinstance(mask, torch.Tensor) or mask is None:
+            out = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, enable_gqa=self.kv_heads != self.heads
+            )
+        else:
+            out = _flex_attention(q.is_cuda)(q, keys, values, block_mask=mask, enable_gqa=self.kv_heads != self.heads)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+
+
+@functools.cache
+def _flex_attention(compiled: bool) -> Any:
+    """flex_attention, compiled into one fused kernel on CUDA (eager it is a slow reference, used on CPU)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention) if compiled else flex_attention
 
 
 class DraftLayer(nn.Module):
@@ -127,13 +144,19 @@ class DraftLayer(nn.Module):
         cache: list,
         mask: torch.Tensor,
     ) -> torch.Tensor:
+        x, residual = self.attention_input(hidden, embeds)
+        return self.feed_forward(residual, self.self_attn(x, cos_sin, cache, mask))
+
+    def attention_input(self, hidden: torch.Tensor, embeds: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(attention input, residual): the norms, and for the first layer the concatenation with the embedding."""
         if self.first:
             normed = self.hidden_norm(hidden)
             residual = normed if self.norm_before_residual else hidden
-            x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
-        else:
-            residual, x = hidden, self.input_layernorm(hidden)
-        hidden = residual + self.self_attn(x, cos_sin, cache, mask)
+            return torch.cat([self.input_layernorm(embeds), normed], dim=-1), residual
+        return self.input_layernorm(hidden), hidden
+
+    def feed_forward(self, residual: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+        hidden = residual + attention
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -151,6 +174,58 @@ def ttt_attention_mask(document_ids: torch.Tensor, step: int) -> torch.Tensor:
     padding = (document_ids < 0)[:, :, None]
     causal = (causal & ~padding) | (diagonal & padding)
     return torch.cat([causal, *([diagonal] * step)], dim=-1)[:, None]
+
+
+def _padded_documents(document_ids: torch.Tensor) -> torch.Tensor:
+    """[P] document ids of row 0, padded with -1 to a multiple of the flex block."""
+    ids = document_ids[0]
+    return F.pad(ids, (0, -len(ids) % FLEX_BLOCK), value=-1)
+
+
+def ttt_block_masks(document_ids: torch.Tensor, steps: int) -> list[Any]:
+    """Flex-attention block masks of the TTT unroll, one per step (the same pattern as ``ttt_attention_mask``).
+
+    ``document_ids`` [1, P] with P a multiple of FLEX_BLOCK. Step 0 is document-causal (built by
+    ``create_block_mask``, which skips blocks across documents); step k appends, per query block, the one key
+    block of each later step that holds its diagonal, so the cost of a step beyond 0 is one block per row.
+    """
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+
+    documents = document_ids[0]
+    length = len(documents)
+    if length % FLEX_BLOCK:
+        raise ValueError(f"flex masks need a multiple of {FLEX_BLOCK} tokens, got {length}")
+
+    def mask_mod(_batch: Any, _head: Any, query: Any, key: Any) -> Any:
+        position = key % length
+        same_document = (documents[query] == documents[position]) & (documents[query] >= 0)
+        return ((key < length) & same_document & (position <= query)) | (position == query)
+
+    base = create_block_mask(mask_mod, None, None, length, length, device=documents.device)
+    rows = length // FLEX_BLOCK
+    masks = [base]
+    for step in range(1, steps):
+        batch, heads, _, _ = base.kv_indices.shape
+        later = rows * torch.arange(1, step + 1, device=documents.device)
+        diagonal = (torch.arange(rows, device=documents.device)[:, None] + later[None, :]).expand(batch, heads, -1, -1)
+        indices = torch.cat([base.kv_indices, base.kv_indices.new_zeros(batch, heads, rows, rows * step)], dim=-1)
+        slots = base.kv_num_blocks[..., None].long() + torch.arange(step, device=documents.device)
+        indices.scatter_(-1, slots, diagonal.to(indices.dtype))
+        full = base.full_kv_indices
+        if full is not None:
+            full = torch.cat([full, full.new_zeros(batch, heads, rows, rows * step)], dim=-1)
+        masks.append(
+            BlockMask.from_kv_blocks(
+                base.kv_num_blocks + step,
+                indices,
+                base.full_kv_num_blocks,
+                full,
+                BLOCK_SIZE=base.BLOCK_SIZE,
+                mask_mod=mask_mod,
+                seq_lengths=(length, length * (step + 1)),
+            )
+        )
+    return masks
 
 
 class Eagle3Drafter(nn.Module):
@@ -173,6 +248,17 @@ class Eagle3Drafter(nn.Module):
         self.rotary_emb = LlamaRotaryEmbedding(layer)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.zeros(layer.vocab_size, dtype=torch.bool))
+        # "sdpa" with dense masks (CPU, inference), or "flex" with block-sparse masks (CUDA training)
+        self.attention = "sdpa"
+
+    def compile_for_training(self) -> None:
+        """Fuse the memory-bound pieces of each layer (norms, concatenation, SwiGLU, residuals) with
+        torch.compile and switch attention to compiled flex attention: the CUDA training path."""
+        self.attention = "flex"
+        for layer in self.layers:
+            layer.attention_input = torch.compile(layer.attention_input)
+            layer.feed_forward = torch.compile(layer.feed_forward)
+        self.draft_logits = torch.compile(self.draft_logits)
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
@@ -188,17 +274,26 @@ class Eagle3Drafter(nn.Module):
 
         aux_hidden_states [B, T, 3H]; step_input_ids[k] [B, T] the target-vocab token fed at step k (the
         token after each position, shifted by k); position_ids [B, T]. Returns draft-vocab logits per step.
+        With flex attention (B = 1) the row is padded to a multiple of FLEX_BLOCK and the logits cut back.
         """
+        length = aux_hidden_states.shape[1]
+        if self.attention == "flex":
+            pad = -length % FLEX_BLOCK
+            aux_hidden_states = F.pad(aux_hidden_states, (0, 0, 0, pad))
+            step_input_ids = [F.pad(ids, (0, pad)) for ids in step_input_ids]
+            position_ids = F.pad(position_ids, (0, pad))
+            masks = ttt_block_masks(_padded_documents(document_ids)[None], len(step_input_ids))
+        else:
+            masks = [ttt_attention_mask(document_ids, step) for step in range(len(step_input_ids))]
         hidden = self.fc(aux_hidden_states)
         caches: list[list] = [[] for _ in self.layers]
         logits = []
         for step, input_ids in enumerate(step_input_ids):
             embeds = self.embed_tokens(input_ids)
             cos_sin = self.rotary_emb(hidden, position_ids + step)
-            mask = ttt_attention_mask(document_ids, step)
             for index, layer in enumerate(self.layers):
-                hidden = layer(hidden, embeds if index == 0 else None, cos_sin, caches[index], mask)
-            logits.append(self.lm_head(self.norm(hidden)))
+                hidden = layer(hidden, embeds if index == 0 else None, cos_sin, caches[index], masks[step])
+            logits.append(self.draft_logits(hidden)[:, :length])
         return logits
 
     def decode(

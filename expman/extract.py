@@ -18,7 +18,7 @@ from expman.errors import ExpmanError
 from expman.generate import read_responses
 from expman.params import ExtractParams, Params
 from expman.provenance import read_manifest, sha256_json, upstream_entry
-from expman.shards import ShardSet, verify_shard
+from expman.shards import ShardSet, remove_stale_temps, verify_shard
 from expman.tracking import stage_run
 
 __all__ = ["CaptureHooks", "capture_contract", "default_aux_layers", "extract", "extract_shard", "load_shard"]
@@ -233,6 +233,7 @@ def extract(params: Params, verifier_dir: Path, generated_dir: Path, out_dir: Pa
             "totals": totals,
             "storage": storage,
         }
+        remove_stale_temps(out_dir / "manifest.json")  # left by a kill during an earlier write
         return run.write_manifest(out_dir / "manifest.json", facts)
 
 

@@ -19,7 +19,7 @@ from expman.conversations import Conversation, read_dataset
 from expman.errors import ExpmanError
 from expman.params import GenerateParams, Params
 from expman.provenance import read_manifest, sha256_json, upstream_entry
-from expman.shards import ShardSet, verify_shard
+from expman.shards import ShardSet, remove_stale_temps, verify_shard
 from expman.tracking import stage_run
 
 __all__ = ["GenOutput", "generate", "read_responses"]
@@ -40,6 +40,8 @@ class GenOutput:
 
 class Backend(Protocol):
     def generate(self, batch: Sequence[Messages]) -> list[GenOutput]: ...
+
+    def close(self) -> None: ...
 
 
 class HFBackend:
@@ -62,6 +64,9 @@ class HFBackend:
             messages, add_generation_prompt=True, tokenize=True, return_dict=True, **self.params.chat_template_kwargs
         )
         return list(encoded["input_ids"])
+
+    def close(self) -> None:
+        """Nothing to stop: the model is plain tensors in this process."""
 
     def generate(self, batch: Sequence[Messages]) -> list[GenOutput]:
         import torch
@@ -202,12 +207,15 @@ def generate(params: Params, verifier_dir: Path, out_dir: Path) -> dict[str, Any
                     "shards": entries,
                     **{k: sum(e[k] for e in entries) for k in SHARD_COUNTS},
                 }
+        if backend is not None:
+            backend.close()
         elapsed = time.perf_counter() - started
         metrics = {f"{split}.{k}": v for split, s in splits.items() for k, v in s.items() if k != "shards"}
         if new_tokens:
             metrics["generated_tok_per_s"] = new_tokens / elapsed
         run.log_metrics(metrics)
         facts = {"backend": section.backend, "verifier": verifier_manifest["verifier"], "splits": splits}
+        remove_stale_temps(out_dir / "manifest.json")  # left by a kill during an earlier write
         return run.write_manifest(out_dir / "manifest.json", facts)
 
 

@@ -10,16 +10,17 @@ to these tokens. Hidden states are the drafter's own from step k-1, as at infere
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
-from torch.nn import functional as F
 
 from expman.drafter import Eagle3Drafter
 from expman.errors import ExpmanError
 
-__all__ = ["Packed", "VerifierHead", "simulated_tau", "ttt_loss"]
+__all__ = ["Packed", "VerifierHead", "metric_values", "simulated_tau", "ttt_loss"]
 
 
 @dataclass(frozen=True)
@@ -36,15 +37,18 @@ class VerifierHead:
         """Read only these tensors from the verifier's safetensors (no full model load)."""
         import json
 
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
         config = json.loads((model_dir / "config.json").read_text())
         found: dict[str, torch.Tensor] = {}
         wanted = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
         for path in sorted(model_dir.glob("*.safetensors")):
-            with safe_open(str(path), "pt") as handle:
-                for name in wanted & set(handle.keys()):
-                    found[name] = handle.get_tensor(name).float()
+            try:
+                with safe_open(str(path), "pt") as handle:
+                    for name in wanted & set(handle.keys()):
+                        found[name] = handle.get_tensor(name).float()
+            except SafetensorError as err:
+                raise ExpmanError(f"{path}: unreadable safetensors ({err}); rerun `dvc repro -f prepare`") from None
         if "lm_head.weight" not in found and config.get("tie_word_embeddings"):
             found["lm_head.weight"] = found.get("model.embed_tokens.weight")
         for name in wanted:
@@ -57,8 +61,12 @@ class VerifierHead:
             found["lm_head.weight"],
         )
 
-    def to(self, device: str) -> VerifierHead:
-        return VerifierHead(self.embed.to(device), self.norm_weight.to(device), self.norm_eps, self.lm_head.to(device))
+    def to(self, device: str, dtype: torch.dtype | None = None) -> VerifierHead:
+        """On ``device``; with ``dtype`` the two vocab matrices are stored in it once (bf16 under CUDA autocast,
+        rather than a fresh cast of the whole lm_head at every matmul)."""
+        return VerifierHead(
+            self.embed.to(device, dtype), self.norm_weight.to(device), self.norm_eps, self.lm_head.to(device, dtype)
+        )
 
     def normed(self, final_pre_norm: torch.Tensor) -> torch.Tensor:
         """norm(h) in fp32, from pre-norm final states [..., H]."""
@@ -69,12 +77,13 @@ class VerifierHead:
         """Full-vocab logits lm_head(norm(h)) (computed in fp32)."""
         return self.normed(final_pre_norm) @ self.lm_head.T
 
-    def targets(self, final_pre_norm: torch.Tensor, t2d: torch.Tensor, chunk: int = 1024) -> tuple:
+    def targets(self, final_pre_norm: torch.Tensor, t2d: torch.Tensor, chunk: int = 4096) -> tuple:
         """(top-1 target id [T], softmax over the draft vocab [T, Vd]) without holding [T, V] logits at once:
-        full-vocab logits exist one chunk of tokens at a time (163,840 × 8,192 fp32 would be 5.4 GB)."""
-        normed = self.normed(final_pre_norm)
+        full-vocab logits exist one chunk of tokens at a time (163,840 × 8,192 fp32 would be 5.4 GB). The matmuls
+        run in the lm_head's dtype."""
+        normed = self.normed(final_pre_norm).to(self.lm_head.dtype)
         top1 = torch.cat([(part @ self.lm_head.T).argmax(-1) for part in normed.split(chunk)])
-        return top1, torch.softmax(normed @ self.lm_head[t2d].T, dim=-1)
+        return top1, torch.softmax((normed @ self.lm_head[t2d].T).float(), dim=-1)
 
 
 @dataclass(frozen=True)
@@ -121,6 +130,18 @@ def simulated_tau(cond_acc: list[float], k: int) -> float:
     return tau
 
 
+def soft_cross_entropy(logits: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
+    """-Σ p·log_softmax(logits) per position, as logsumexp(logits) - Σ p·logits (the targets sum to 1)."""
+    logits = logits.float()
+    return torch.logsumexp(logits, dim=-1) - (target_probs * logits).sum(-1)
+
+
+@functools.cache
+def _compiled_soft_cross_entropy() -> Any:
+    """On CUDA one fused kernel per direction instead of several passes over [T, draft vocab] in fp32."""
+    return torch.compile(soft_cross_entropy, dynamic=True)
+
+
 def ttt_loss(
     drafter: Eagle3Drafter,
     head: VerifierHead,
@@ -129,18 +150,26 @@ def ttt_loss(
     step_decay: float,
     noise_std: float = 0.0,
     generator: torch.Generator | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Σ_k decay^k · soft-CE_k over valid positions, plus per-step accuracy (full and conditional)."""
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Σ_k decay^k · soft-CE_k over valid positions, plus per-step accuracy (full and conditional).
+
+    Step k's logits at positions t < T-1-k are scored against the targets at t+1+k (slices, no shifted copy of
+    the [T, draft vocab] targets). The metrics are 0-d tensors still on the device (``metric_values`` reads
+    them in one transfer), so a training step never waits for the GPU before its backward pass.
+    """
     with torch.no_grad():
         top1, target_probs = head.targets(batch.final[0], drafter.t2d)
         top1, target_probs = top1[None], target_probs[None]
     aux = batch.aux.float()
     if noise_std:
-        aux = aux + (torch.rand(aux.shape, generator=generator, device="cpu").to(aux.device) * 2 - 1) * noise_std
+        noise = torch.rand(aux.shape, generator=generator, device=generator.device if generator else "cpu")
+        aux = aux + (noise.to(aux.device) * 2 - 1) * noise_std
     inputs = [_ahead(batch.input_ids, 1 + k, 0) for k in range(steps)]
     all_logits = drafter(aux, inputs, batch.position_ids, batch.document_ids)
+    cross_entropy = _compiled_soft_cross_entropy() if aux.is_cuda else soft_cross_entropy
+    length = batch.input_ids.shape[1]
     loss = aux.new_zeros(())
-    metrics: dict[str, float] = {}
+    tracked: dict[str, torch.Tensor] = {}
     alive = torch.ones_like(batch.loss_mask)
     for k, logits in enumerate(all_logits):
         target_top1 = _ahead(top1, 1 + k, -1)
@@ -150,16 +179,30 @@ def ttt_loss(
             & drafter.t2d[target_top1.clamp(min=0)]
         )
         correct = drafter.draft_to_target(logits.argmax(-1)) == target_top1
-        count = int(valid.sum())
-        if count:
-            log_q = F.log_softmax(logits.float(), dim=-1)
-            step_loss = -(_ahead(target_probs, 1 + k, 0.0) * log_q).sum(-1)[valid].mean()
+        count = valid.sum()
+        scored = length - 1 - k
+        if scored > 0:
+            per_position = cross_entropy(logits[:, :scored], target_probs[:, 1 + k :])
+            step_loss = (per_position * valid[:, :scored]).sum() / count.clamp(min=1)
             loss = loss + step_decay**k * step_loss
-            metrics[f"loss_{k}"] = float(step_loss.detach())
-        metrics[f"acc_{k}"] = float(correct[valid].float().mean()) if count else 0.0
+            tracked[f"loss_{k}"] = step_loss.detach()
+        tracked[f"acc_{k}"] = (correct & valid).sum() / count.clamp(min=1)
         conditional = valid & alive
-        metrics[f"cond_acc_{k}"] = float(correct[conditional].float().mean()) if conditional.any() else 0.0
-        metrics[f"positions_{k}"] = count
+        tracked[f"cond_acc_{k}"] = (correct & conditional).sum() / conditional.sum().clamp(min=1)
+        tracked[f"positions_{k}"] = count
         alive = alive & correct
-    metrics["loss"] = float(loss.detach())
-    return loss, metrics
+    tracked["loss"] = loss.detach()
+    return loss, tracked
+
+
+def metric_values(tracked: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The metrics of ``ttt_loss`` (plus any other 0-d tensors) as numbers, read in one device transfer; a step
+    with no valid position has no ``loss_k``."""
+    values = dict(zip(tracked, torch.stack([v.float() for v in tracked.values()]).tolist(), strict=True))
+    metrics: dict[str, float] = {}
+    for name, value in values.items():
+        if name.startswith("positions_"):
+            metrics[name] = int(value)
+        elif not (name.startswith("loss_") and values[f"positions_{name[5:]}"] == 0):
+            metrics[name] = value
+    return metrics

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, ValidationInfo, field_validator
@@ -38,9 +38,22 @@ PositiveInt = Annotated[int, Field(ge=1)]
 
 
 class Section(BaseModel):
-    """Base of every params section: unknown keys are errors, values are immutable."""
+    """Base of every params section: unknown keys are errors, numbers are finite, values are immutable."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _booleans_only_for_flags(cls, value: Any, info: ValidationInfo) -> Any:
+        """YAML's true/false only where the schema wants a flag: pydantic would read ``epochs: true`` as 1."""
+        if isinstance(value, bool) and not _admits_bool(cls.model_fields[str(info.field_name)].annotation):
+            raise ValueError(f"{str(value).lower()} is a boolean; this key is not a flag")
+        return value
+
+
+def _admits_bool(annotation: Any) -> bool:
+    """Whether a field's type takes a boolean (``bool``, ``StrictBool``, or a union holding one)."""
+    return annotation is bool or any(_admits_bool(arg) for arg in get_args(annotation))
 
 
 def _root(info: ValidationInfo) -> Path:
@@ -204,6 +217,8 @@ class TrainParams(Section):
     device: Device = "auto"
     dtype: Dtype = "auto"
     """auto: float32 on CPU, bfloat16 autocast on CUDA."""
+    compile: Literal["auto"] | StrictBool = "auto"
+    """torch.compile the layers and use block-sparse flex attention; auto: on CUDA only."""
 
 
 class BaselineParams(Section):
@@ -338,6 +353,8 @@ def _one_line(error: dict[str, Any]) -> str:
 def load_params(path: str | Path = "params.yaml") -> Params:
     """Read and validate params.yaml; raise ExpmanError with one line naming the key on any problem."""
     path = Path(path)
+    if path.is_dir():
+        raise ExpmanError(f"{path}: a folder, not a params file")
     if not path.is_file():
         raise ExpmanError(f"{path}: params file not found")
     try:

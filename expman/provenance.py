@@ -145,8 +145,9 @@ def read_manifest(path: Path, stage: str) -> dict[str, Any]:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise ExpmanError(f"{path}: manifest is not valid JSON") from None
-    if manifest.get("stage") != stage:
-        raise ExpmanError(f"{path}: expected a {stage!r} manifest, found stage {manifest.get('stage')!r}")
+    found = manifest.get("stage") if isinstance(manifest, dict) else None
+    if found != stage:
+        raise ExpmanError(f"{path}: expected a {stage!r} manifest, found stage {found!r}")
     return manifest
 
 

@@ -221,6 +221,9 @@ def export_version(
 
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ExpmanError(f"{out}: exists and is not empty; export writes a new folder")
+    blocking = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise ExpmanError(f"{out}: {blocking} is a file, not a folder")
     if out_format == "speculators" and convention not in (None, "vllm"):
         raise ExpmanError(f"--convention {convention}: the speculators format always uses vLLM layer ids")
     version = resolve_version(reader, resolve_model(reader, model), ref)

@@ -6,7 +6,9 @@ to redo. Readers call ``verify_shard`` with the manifest's entry, so a corrupted
 
 from __future__ import annotations
 
+import glob
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,7 +16,7 @@ from typing import Any
 from expman.errors import ExpmanError
 from expman.provenance import atomic_write, atomic_write_json, sha256_file
 
-__all__ = ["ShardSet", "verify_shard"]
+__all__ = ["ShardSet", "remove_stale_temps", "verify_shard"]
 
 
 class ShardSet:
@@ -55,11 +57,22 @@ class ShardSet:
         return info
 
     def remove_others(self, keep: set[str]) -> None:
-        """Delete shards and sidecars of earlier plans that the current plan does not contain."""
+        """Delete shards and sidecars of earlier plans that the current plan does not contain, and the temp files
+        of writes that a kill interrupted."""
         for path in self.folder.iterdir():
             name = path.name.removesuffix(".done.json")
-            if path.is_file() and name not in keep and not path.name.startswith("."):
+            temp = path.name.startswith(".") and path.name.endswith(".tmp")
+            if path.is_file() and (temp or (name not in keep and not path.name.startswith("."))):
                 path.unlink()
+
+
+def remove_stale_temps(path: Path) -> None:
+    """Delete what killed atomic writes of ``path`` left beside it: ``.<name>.*.tmp`` files and folders."""
+    for temp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+        if temp.is_dir():
+            shutil.rmtree(temp)
+        else:
+            temp.unlink()
 
 
 def verify_shard(folder: Path, entry: dict[str, Any]) -> Path:

@@ -59,11 +59,35 @@ T = TypeVar("T")
 
 MAX_PARAM_LENGTH = 6000
 
+# MLflow's usage telemetry is off unless the user turns it on: expman sends nothing unasked, and offline the
+# telemetry thread edits os.environ while requests reads it (a KeyError crashed a registrant in test_team).
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+
 
 def default_tracking_uri(root: Path | None = None) -> str:
-    """The URI expman uses: the environment's, else the project's sqlite file."""
+    """The URI expman uses: the environment's, else the project's sqlite file. Credentials in an http(s) URI
+    (``http://user:password@host``) first move to MLflow's own variables, see ``_move_credentials``."""
     root = (root or Path.cwd()).resolve()
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{root / 'mlflow.db'}"
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        return f"sqlite:///{root / 'mlflow.db'}"
+    os.environ["MLFLOW_TRACKING_URI"] = _move_credentials(uri)
+    return os.environ["MLFLOW_TRACKING_URI"]
+
+
+def _move_credentials(uri: str) -> str:
+    """``uri`` without the ``user:password@`` of an http(s) URI; the pair goes to ``MLFLOW_TRACKING_USERNAME`` and
+    ``MLFLOW_TRACKING_PASSWORD`` (unless those are set), from where MLflow's client and the REST reader send it as
+    basic auth, as they would from the URI. MLflow prints the tracking URI (a run's link when the run ends) and puts
+    it in its error messages, so a URI that names a password would show it there."""
+    from urllib.parse import unquote, urlsplit, urlunsplit
+
+    parts = urlsplit(uri)
+    if parts.scheme.lower() not in ("http", "https") or "@" not in parts.netloc:
+        return uri
+    os.environ.setdefault("MLFLOW_TRACKING_USERNAME", unquote(parts.username or ""))
+    os.environ.setdefault("MLFLOW_TRACKING_PASSWORD", unquote(parts.password or ""))
+    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
 
 
 def _flatten(params: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
@@ -114,11 +138,19 @@ def _project_store(uri: str, root: Path) -> bool:
 
 
 def _experiment_id(client: Any, name: str, uri: str, root: Path) -> str:
+    """The experiment's id, created on first use; when another process created it in between, that one is used."""
+    from mlflow.exceptions import MlflowException
+
     experiment = client.get_experiment_by_name(name)
     if experiment is not None:
         return experiment.experiment_id
     location = (root / "mlartifacts").as_uri() if _project_store(uri, root) else None
-    return client.create_experiment(name, artifact_location=location)
+    try:
+        return _retry_contended(lambda: client.create_experiment(name, artifact_location=location))
+    except MlflowException as err:
+        if err.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+    return client.get_experiment_by_name(name).experiment_id
 
 
 def _run_link(client: Any, run_id: str) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import sys
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -25,9 +26,10 @@ from expman.checkpoint import save_speculators
 from expman.drafter import DrafterConfig, Eagle3Drafter
 from expman.errors import ExpmanError
 from expman.extract import load_shard
-from expman.objective import Packed, VerifierHead, simulated_tau, ttt_loss
+from expman.objective import Packed, VerifierHead, metric_values, simulated_tau, ttt_loss
 from expman.params import TrainParams
 from expman.provenance import atomic_write, atomic_write_json, read_manifest, sha256_file, sha256_json, upstream_entry
+from expman.shards import remove_stale_temps
 from expman.tracking import StageRun, stage_run
 
 __all__ = ["SampleRef", "batch_plan", "new_optimizer", "train", "training_step"]
@@ -52,8 +54,11 @@ def _hash_share(sample_id: str, salt: str = "") -> float:
 
 
 def index_samples(manifest: dict[str, Any]) -> list[SampleRef]:
-    """Every document of every shard (ids from the shard metadata, lengths from its offsets), no tensor load."""
-    from safetensors import safe_open
+    """Every document of every shard (ids from the shard metadata, lengths from its offsets), no tensor load.
+
+    A shard whose size or plan key differs from its manifest entry (torn, or another run's) is refused here, before
+    any training; the full checksum is checked when the shard is loaded."""
+    from safetensors import SafetensorError, safe_open
 
     refs = []
     folder = Path(manifest["shard_dir"])
@@ -61,9 +66,18 @@ def index_samples(manifest: dict[str, Any]) -> list[SampleRef]:
         path = folder / entry["path"]
         if not path.is_file():
             raise ExpmanError(f"{path}: shard listed in the manifest is missing; rerun `dvc repro -f extract`")
-        with safe_open(str(path), "pt") as handle:
-            ids = json.loads(handle.metadata()["expman"])["sample_ids"]
-            offsets = handle.get_tensor("sample_offsets").tolist()
+        foreign = f"{path}: not the shard the manifest lists (corrupted, or a shard from another run)"
+        if path.stat().st_size != entry["bytes"]:
+            raise ExpmanError(foreign)
+        try:
+            with safe_open(str(path), "pt") as handle:
+                metadata = json.loads(handle.metadata()["expman"])
+                offsets = handle.get_tensor("sample_offsets").tolist()
+        except (SafetensorError, KeyError, TypeError, json.JSONDecodeError):
+            raise ExpmanError(foreign) from None
+        if metadata.get("key") != entry["key"]:
+            raise ExpmanError(foreign)
+        ids = metadata["sample_ids"]
         refs.extend(SampleRef(shard, i, sample_id, offsets[i + 1] - offsets[i]) for i, sample_id in enumerate(ids))
     return refs
 
@@ -120,24 +134,39 @@ def training_step(
     device: str,
 ) -> dict[str, float]:
     """One optimizer step: TTT loss (bf16 autocast on CUDA), backward, clip, AdamW, schedule."""
-    autocast = device == "cuda" and section.dtype != "float32"
-    with torch.autocast("cuda", dtype=torch.bfloat16) if autocast else nullcontext():
-        loss, metrics = ttt_loss(
+    with torch.autocast("cuda", dtype=torch.bfloat16) if autocasts(section, device) else nullcontext():
+        loss, tracked = ttt_loss(
             drafter, head, batch, section.ttt_steps, section.step_loss_decay, section.noise_std, noise
         )
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     trainable = [p for group in optimizer.param_groups for p in group["params"]]
-    metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(trainable, section.grad_clip))
+    tracked["grad_norm"] = torch.nn.utils.clip_grad_norm_(trainable, section.grad_clip)
     optimizer.step()
     scheduler.step()
-    return metrics
+    return metric_values(tracked)
+
+
+def autocasts(section: TrainParams, device: str) -> bool:
+    """bf16 autocast: on CUDA unless ``train.dtype`` asks for float32."""
+    return device == "cuda" and section.dtype != "float32"
+
+
+def compiles(section: TrainParams, device: str) -> bool:
+    """Whether training compiles the drafter (``train.compile``; auto: on CUDA, where flex attention runs)."""
+    return section.compile is True or (section.compile == "auto" and device == "cuda")
 
 
 def new_optimizer(drafter: Eagle3Drafter, section: TrainParams, total_steps: int) -> tuple[Any, Any]:
     """AdamW over the trainable parameters (the embedding is frozen) and the warmup + cosine/linear schedule."""
     trainable = [p for p in drafter.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=section.lr, betas=(0.9, 0.95), weight_decay=section.weight_decay)
+    optimizer = torch.optim.AdamW(
+        trainable,
+        lr=section.lr,
+        betas=(0.9, 0.95),
+        weight_decay=section.weight_decay,
+        fused=trainable[0].is_cuda,
+    )
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(section, total_steps))
 
 
@@ -232,7 +261,7 @@ def _evaluate(drafter, head, cache, batches, section, device) -> dict[str, float
     with torch.no_grad():
         for refs in batches:
             batch = Packed.of([cache.document(r, section.max_tokens) for r in refs]).to(device)
-            _, metrics = ttt_loss(drafter, head, batch, section.ttt_steps, section.step_loss_decay)
+            metrics = metric_values(ttt_loss(drafter, head, batch, section.ttt_steps, section.step_loss_decay)[1])
             for k in range(section.ttt_steps):
                 for name in (f"loss_{k}", f"acc_{k}", f"cond_acc_{k}"):
                     if name in metrics:
@@ -292,12 +321,14 @@ def train(
     if section.finetune_from:
         drafter = start_from(drafter, section, head)
     drafter = drafter.to(device)
-    head = head.to(device)
+    if compiles(section, device):
+        drafter.compile_for_training()
+    head = head.to(device, torch.bfloat16 if autocasts(section, device) else None)
     plans = [batch_plan(train_refs, section.max_tokens, section.seed, epoch) for epoch in range(section.epochs)]
     epoch_starts = [sum(len(p) for p in plans[:epoch]) for epoch in range(section.epochs)]
     total_steps = sum(len(p) for p in plans)
     optimizer, scheduler = new_optimizer(drafter, section, total_steps)
-    noise = torch.Generator().manual_seed(section.seed)
+    noise = torch.Generator(device=device).manual_seed(section.seed)
     upstream = {name: upstream_entry(path, manifest) for name, (path, manifest) in manifests.items()}
     if section.finetune_from:
         upstream["finetune_from"] = {
@@ -311,6 +342,8 @@ def train(
             "upstream": {k: v["manifest_sha256"] for k, v in upstream.items()},
         }
     )
+    for path in (state_dir / "state.pt", out_dir, metrics_path):
+        remove_stale_temps(path)  # what a kill during an atomic write left beside it
     step = _resume(state_dir, plan_key, drafter, optimizer, scheduler, noise)
     cache = ShardCache(extract_manifest)
     val_batches = batch_plan(val_refs, section.max_tokens, section.seed, VAL_EPOCH) if val_refs else []
@@ -374,7 +407,22 @@ def _save_state(state_dir: Path, plan_key: str, step: int, drafter, optimizer, s
         "torch_rng": torch.get_rng_state(),
         "noise_rng": noise.get_state(),
     }
-    atomic_write(state_dir / "state.pt", lambda tmp: torch.save(state, tmp))
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as handle:  # to a path, torch names the archive's root folder after the random temp file
+            torch.save(_interned(state), handle)
+
+    atomic_write(state_dir / "state.pt", write)
+
+
+def _interned(value: Any) -> Any:
+    """``value`` with every dict key interned. Pickle writes a repeated string once only when it is one object: a
+    resumed optimizer's keys come from unpickling, and without this its state files differ in bytes, not content."""
+    if isinstance(value, dict):
+        return {sys.intern(k) if isinstance(k, str) else k: _interned(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_interned(v) for v in value]
+    return value
 
 
 def _resume(state_dir: Path, plan_key: str, drafter, optimizer, scheduler, noise) -> int:

@@ -8,6 +8,7 @@ later stage checks its inputs against.
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -60,10 +61,26 @@ def _load_source(path: Path, dtype: Any, trust_remote_code: bool) -> tuple[Any, 
     return model, tokenizer
 
 
+def _refuse_remote_code(path: Path, trust_remote_code: bool) -> None:
+    """An HF folder that ships its own model or tokenizer code (``auto_map``) loads only with
+    ``prepare.trust_remote_code``: without it transformers either refuses in a multi-line message or, for a known
+    model type, silently loads its built-in class instead of the folder's."""
+    if trust_remote_code or not path.is_dir():
+        return
+    for name in ("config.json", "tokenizer_config.json"):
+        try:
+            config = json.loads((path / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError):  # missing or unreadable: the loader reports it
+            continue
+        if isinstance(config, dict) and "auto_map" in config:
+            raise ExpmanError(
+                f"{path / name}: the folder ships its own code (auto_map); set prepare.trust_remote_code: true "
+                "only if you trust it"
+            )
+
+
 def verifier_facts(model_dir: Path) -> dict[str, Any]:
     """The verifier half of the capture contract, read from a prepared HF folder."""
-    import json
-
     config = json.loads((model_dir / "config.json").read_text())
     text_config = config.get("text_config", config)
     tokenizer_file = model_dir / "tokenizer.json"
@@ -93,6 +110,7 @@ def prepare(params: Params, out_dir: Path) -> dict[str, Any]:
     root = Path.cwd()
     source = _source_path(section.source, root)
     dtype = getattr(torch, section.save_dtype)
+    _refuse_remote_code(source, section.trust_remote_code)
     try:  # loaders raise anything from struct.error (torn GGUF) to SafetensorError (torn weights)
         model, tokenizer = _load_source(source, dtype, section.trust_remote_code)
     except Exception as err:

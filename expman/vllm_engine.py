@@ -55,6 +55,10 @@ class VllmGenerator:
             trust_remote_code=load_verifier_manifest(model_dir)["trust_remote_code"],
         )
 
+    def close(self) -> None:
+        """Stop the engine core now, not in interpreter teardown (where its logging fails noisily)."""
+        _shutdown(self.llm)
+
     def generate(self, batch: Sequence[Messages]) -> list[GenOutput]:
         outputs = self.llm.chat(
             list(batch),
@@ -82,6 +86,12 @@ class EngineArm:
     metrics_before: list[Any]
     metrics_after: list[Any]
     settings: dict[str, Any]
+
+
+def _shutdown(llm: Any) -> None:
+    core = getattr(llm.llm_engine, "engine_core", None)
+    if core is not None:
+        core.shutdown()
 
 
 def vllm_version() -> str | None:
@@ -136,9 +146,7 @@ def run_vllm_arm(
         seconds = time.perf_counter() - started
         after = llm.get_metrics()
     finally:
-        core = getattr(llm.llm_engine, "engine_core", None)
-        if core is not None:
-            core.shutdown()
+        _shutdown(llm)
         del llm
         gc.collect()
     return EngineArm([list(r.outputs[0].token_ids) for r in results], seconds, before, after, settings)

@@ -65,16 +65,18 @@ def vocab(params: Params, generated_dir: Path, out_dir: Path) -> dict[str, Any]:
     vocab_size = generated_manifest["verifier"]["vocab_size"]
     size = draft_vocab_size(section.draft_vocab_size, vocab_size)
     upstream = {"generate": upstream_entry(generated_dir / "manifest.json", generated_manifest)}
+    train = token_counts(read_responses(generated_dir, "train"), vocab_size)  # shards checked before the run opens
+    heldout = None
+    if "heldout" in generated_manifest["splits"]:
+        heldout = token_counts(read_responses(generated_dir, "heldout"), vocab_size)
     with stage_run("vocab", section.model_dump(), upstream) as run:
-        train = token_counts(read_responses(generated_dir, "train"), vocab_size)
         d2t, t2d = build_vocab(train, size)
         metrics = {
             "draft_vocab_size": size,
             "distinct_train_tokens": int((train > 0).sum()),
             "coverage_train": _coverage(train, t2d),
         }
-        if "heldout" in generated_manifest["splits"]:
-            heldout = token_counts(read_responses(generated_dir, "heldout"), vocab_size)
+        if heldout is not None:
             metrics["coverage_heldout"] = _coverage(heldout, t2d)
         tensors = {"d2t": d2t, "t2d": t2d, "train_token_counts": train}
         atomic_write(out_dir / "vocab.safetensors", lambda tmp: save_file(tensors, str(tmp)))

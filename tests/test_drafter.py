@@ -23,9 +23,9 @@ TINY_VERIFIER = {
 }
 
 
-def _drafter(norm_before_residual: bool = False) -> Eagle3Drafter:
+def _drafter(norm_before_residual: bool = False, verifier: dict = TINY_VERIFIER) -> Eagle3Drafter:
     torch.manual_seed(0)
-    config = DrafterConfig.from_verifier(TINY_VERIFIER, draft_vocab_size=20, aux_layer_ids=[2, 4, 5])
+    config = DrafterConfig.from_verifier(verifier, draft_vocab_size=20, aux_layer_ids=[2, 4, 5])
     config = DrafterConfig(**{**config.__dict__, "norm_before_residual": norm_before_residual})
     model = Eagle3Drafter(config).eval()
     with torch.no_grad():
@@ -92,3 +92,60 @@ def test_mask_shape_and_padding_rows_never_empty() -> None:
     assert mask[0, 0, 2, :5].tolist() == [False, False, True, False, False]  # a new document starts fresh
     assert mask[0, 0, 1, 5:].nonzero().flatten().tolist() == [1, 6]  # its own position in steps 1 and 2
     assert not mask[0, 0, 0, 3:5].any()  # real tokens never see padding
+
+
+def _packed_inputs(length: int, sizes: list[int], generator: torch.Generator, verifier: dict = TINY_VERIFIER) -> tuple:
+    documents = torch.cat([torch.full((n,), i) for i, n in enumerate(sizes)] + [torch.full((length - sum(sizes),), -1)])
+    positions = torch.cat([torch.arange(n) for n in sizes] + [torch.zeros(length - sum(sizes), dtype=torch.long)])
+    aux = torch.randn(1, length, 3 * verifier["hidden_size"], generator=generator)
+    step_ids = [torch.randint(0, verifier["vocab_size"], (1, length), generator=generator) for _ in range(3)]
+    return aux, step_ids, positions[None], documents[None]
+
+
+@pytest.mark.parametrize("length", [256, 200])
+def test_flex_block_masks_give_the_dense_mask_result(length: int) -> None:
+    """The block-sparse flex path (CUDA training) equals the dense-mask path, padding to the block size included."""
+    model = _drafter()
+    aux, step_ids, positions, documents = _packed_inputs(length, [70, 100, 25], torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        dense = model(aux, step_ids, positions, documents)
+        model.attention = "flex"
+        flex = model(aux, step_ids, positions, documents)
+    real = documents[0] >= 0
+    for step in range(3):
+        assert flex[step].shape == dense[step].shape
+        torch.testing.assert_close(flex[step][0, real], dense[step][0, real], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_compiled_cuda_training_step_matches_eager_gradients() -> None:
+    """compile_for_training (compiled layers, flex attention) gives the eager dense path's loss and gradients."""
+    from expman.objective import Packed, VerifierHead, ttt_loss
+
+    verifier = TINY_VERIFIER | {"hidden_size": 64, "intermediate_size": 128}  # flex's kernels need head_dim >= 16
+    generator = torch.Generator().manual_seed(2)
+    aux, step_ids, positions, documents = _packed_inputs(384, [200, 150], generator, verifier)
+    hidden, vocab = verifier["hidden_size"], verifier["vocab_size"]
+    batch = Packed(
+        aux=aux,
+        final=torch.randn(1, 384, hidden, generator=generator),
+        input_ids=step_ids[0],
+        loss_mask=documents >= 0,
+        document_ids=documents,
+        position_ids=positions,
+    ).to("cuda")
+    head = VerifierHead(torch.randn(vocab, hidden), torch.ones(hidden), 1e-5, torch.randn(vocab, hidden)).to("cuda")
+    results = []
+    for compiled in (False, True):
+        model = _drafter(verifier=verifier).cuda().train()
+        model.t2d[: model.config.draft_vocab_size] = True
+        if compiled:
+            model.compile_for_training()
+        loss, _ = ttt_loss(model, head, batch, steps=3, step_decay=0.8)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (eager_loss, eager_grads), (compiled_loss, compiled_grads) = results
+    torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-4, atol=1e-4)
+    assert eager_grads.keys() == compiled_grads.keys()
+    for name, grad in eager_grads.items():
+        torch.testing.assert_close(compiled_grads[name], grad, rtol=1e-3, atol=1e-4, msg=name)

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from expman.drafter import DrafterConfig, Eagle3Drafter
 from expman.extract import CaptureHooks
-from expman.objective import Packed, VerifierHead, simulated_tau, ttt_loss
+from expman.objective import Packed, VerifierHead, metric_values, simulated_tau, ttt_loss
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,7 @@ def test_valid_positions_follow_the_alignment(verifier, tiny_verifier_source: Pa
     head = VerifierHead.load(tiny_verifier_source)
     drafter = _drafter(verifier, head, full_vocab=True)
     documents = [_document(verifier, 10, 4, seed=2), _document(verifier, 7, 2, seed=3)]
-    _, metrics = ttt_loss(drafter, head, Packed.of(documents), steps=3, step_decay=1.0)
+    metrics = metric_values(ttt_loss(drafter, head, Packed.of(documents), steps=3, step_decay=1.0)[1])
     for k in range(3):
         # step k predicts x_{t+2+k}: assistant tokens at index >= 2+k of each document, never across documents
         expected = sum(int(d["loss_mask"][2 + k :].sum()) for d in documents)
@@ -71,7 +71,8 @@ def test_objective_trains(verifier, tiny_verifier_source: Path) -> None:
     optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
     first = None
     for _ in range(60):
-        loss, metrics = ttt_loss(drafter, head, batch, steps=2, step_decay=0.8)
+        loss, tracked = ttt_loss(drafter, head, batch, steps=2, step_decay=0.8)
+        metrics = metric_values(tracked)
         first = first or metrics
         optimizer.zero_grad()
         loss.backward()

@@ -157,6 +157,7 @@ def test_extract_resumes_after_crash_with_identical_output(project: Path, monkey
     extract(params, paths.VERIFIER, paths.GENERATED, paths.EXTRACT)
     assert len(calls) == 2  # only the torn shard and the one never started
     assert snapshot(project) == uninterrupted
+    assert not list(shard_dir.glob(".*.tmp"))  # nor is the temp file the kill left
 
 
 def test_corrupted_or_foreign_shard_is_detected(project: Path) -> None:

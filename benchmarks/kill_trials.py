@@ -1,0 +1,307 @@
+"""Kill trials: SIGKILL generate, extract and train at random moments, rerun, and compare with an uninterrupted run.
+
+A tiny project (the tests' random Llama verifier, 320 long train prompts, 4 held-out) runs prepare once. Then, per
+stage in graph order: one uninterrupted reference run from empty outputs, and ``--trials`` trials, each from
+empty outputs: start the stage as dvc would (``python stages/<stage>.py`` in the project, own process group,
+``--threads`` torch threads: two threads on a loaded 2-core machine made train 5x slower than one),
+SIGKILL the group at a moment drawn uniformly from [0, reference seconds) (seeded), then rerun it to the end.
+A trial passes when the rerun exits 0 and every file under the stage's output roots has the reference's digest.
+After a stage's trials its reference outputs are put back, so the next stage reads exactly what it would have.
+
+Digests: sha256 of the bytes of every file under the roots, hidden files included (a temp file a kill leaves
+behind is a difference). One exclusion: ``provenance.mlflow_run_id`` in ``manifest.json`` files, the id of
+the MLflow run each execution opens by design; the rest of a manifest (data facts, params, argv, packages,
+upstream digests and run ids) must match. The train roots are all of ``models/`` (minus the verifier, its
+input) and ``metrics/``: atomic_dir writes the drafter through a temp folder beside ``models/drafter``.
+
+  python benchmarks/kill_trials.py --out benchmarks/results/kill_trials.json
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+import yaml
+from reporting import cpu_name, write_report
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # tests.conftest: the tiny random verifier and tiny params the tests use
+
+from expman.provenance import package_versions, sha256_file  # noqa: E402
+from tests.conftest import make_tiny_verifier, tiny_params, write_prompts  # noqa: E402
+
+PROMPTS = {"train": 320, "heldout": 4}
+JOIN = 8  # a train prompt is 8 shipped prompts joined (~450 tokens): work for extract and train, not only start-up
+OVERRIDES = {  # each stage works about as long as it starts up, and writes many shards / checkpoints
+    "generate": {"max_new_tokens": 16, "batch_size": 8, "shard_size": 8},
+    "extract": {"samples_per_shard": 4, "batch_tokens": 2048},
+    # from scratch: no baseline stage to run first; a finetune only changes the initial weights, not the resume
+    "train": {"epochs": 2, "checkpoint_every": 10, "log_every": 10, "finetune_from": None},
+}
+
+
+@dataclass(frozen=True)
+class Stage:
+    """What a stage writes: the roots digested and cleared, inputs inside them, the manifest written last."""
+
+    name: str
+    roots: tuple[str, ...]
+    final: str
+    keep: tuple[str, ...] = ()
+
+    def files(self, project: Path) -> list[Path]:
+        """Every file under the roots, hidden ones included, inputs left out."""
+        found = []
+        for root in self.roots:
+            path = project / root
+            candidates = [path] if path.is_file() else path.rglob("*")
+            for file in candidates:
+                relative = file.relative_to(project).as_posix()
+                if file.is_file() and not any(relative.startswith(f"{k}/") for k in self.keep):
+                    found.append(file)
+        return sorted(found)
+
+    def clear(self, project: Path) -> None:
+        """Empty the roots (inputs kept): the state before a fresh run."""
+        for root in self.roots:
+            path = project / root
+            for entry in path.iterdir() if path.is_dir() else []:
+                if entry.relative_to(project).as_posix() in self.keep:
+                    continue
+                if entry.is_dir():
+                    shutil.rmtree(entry)
+                else:
+                    entry.unlink()
+
+    def progress(self, project: Path) -> int:
+        """Shards with a sidecar (generate, extract) or the step of the saved train state."""
+        if self.name != "train":
+            return sum(len(list((project / r).rglob("*.done.json"))) for r in self.roots)
+        state = project / "models/.train-state/state.pt"
+        if not state.is_file():
+            return 0
+        import torch
+
+        return int(torch.load(state, weights_only=True, map_location="cpu")["step"])
+
+
+STAGES = [
+    Stage("generate", ("data/generated",), "data/generated/manifest.json"),
+    Stage("extract", ("data/extract",), "data/extract/manifest.json"),
+    Stage("train", ("models", "metrics"), "models/drafter/manifest.json", keep=("models/verifier",)),
+]
+
+
+def digest(file: Path) -> str:
+    """sha256 of the file; for a manifest, of its canonical JSON without the MLflow run id."""
+    if file.name != "manifest.json":
+        return sha256_file(file)
+    manifest = json.loads(file.read_text(encoding="utf-8"))
+    manifest.get("provenance", {}).pop("mlflow_run_id", None)
+    return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
+
+
+def digests(project: Path, stage: Stage) -> dict[str, str]:
+    """Relative path -> digest of every file the stage wrote."""
+    return {f.relative_to(project).as_posix(): digest(f) for f in stage.files(project)}
+
+
+def differences(got: dict[str, str], want: dict[str, str]) -> list[str]:
+    """One line per missing, extra or changed file."""
+    return [
+        f"{'missing' if path not in got else 'extra' if path not in want else 'changed'}: {path}"
+        for path in sorted(got.keys() | want.keys())
+        if got.get(path) != want.get(path)
+    ]
+
+
+def start(project: Path, stage: str, log: Path) -> subprocess.Popen:
+    """``python stages/<stage>.py`` in the project, as dvc runs it, in its own process group."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME")}
+    env |= {"GIT_CEILING_DIRECTORIES": str(project.parent), "TOKENIZERS_PARALLELISM": "false"}
+    with open(log, "ab") as handle:
+        return subprocess.Popen(
+            [sys.executable, f"stages/{stage}.py"],
+            cwd=project,
+            env=env,
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def run(project: Path, stage: str, log: Path) -> tuple[int, float]:
+    """Run a stage to the end; return its exit code and seconds."""
+    started = time.perf_counter()
+    code = start(project, stage, log).wait()
+    return code, time.perf_counter() - started
+
+
+def write_long_prompts(folder: Path, split: str, count: int) -> None:
+    """``count`` prompts of ``split``, each a shipped prompt and the next ``JOIN - 1`` ones joined."""
+    lines = (REPO / f"data/prompts/{split}.jsonl").read_text(encoding="utf-8").splitlines()
+    rows = [json.loads(line) for line in lines]
+    with open(folder / f"{split}.jsonl", "w", encoding="utf-8") as handle:
+        for index, row in enumerate(rows[:count]):
+            prompt = " ".join(rows[(index + k) % len(rows)]["prompt"] for k in range(JOIN))
+            handle.write(json.dumps(row | {"prompt": prompt}) + "\n")
+
+
+def setup(project: Path) -> None:
+    """The tiny verifier, the prompts, params.yaml and the stage scripts, in an empty project folder."""
+    make_tiny_verifier(project / "tiny-verifier")
+    (project / "prompts").mkdir()
+    write_long_prompts(project / "prompts", "train", PROMPTS["train"])
+    write_prompts(project / "prompts", "heldout", PROMPTS["heldout"])
+    params = tiny_params("tiny-verifier")
+    for section, values in OVERRIDES.items():
+        params[section].update(values)
+    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    shutil.copytree(REPO / "stages", project / "stages")
+
+
+def must_run(project: Path, stage: str, log: Path) -> float:
+    """Run a stage that has to succeed; return its seconds."""
+    code, seconds = run(project, stage, log)
+    if code:
+        raise click.ClickException(f"{stage} failed (exit {code}); see {log}")
+    return seconds
+
+
+def trial(project: Path, stage: Stage, kill_at: float, reference: dict[str, str], log: Path) -> dict:
+    """One kill at ``kill_at`` seconds after the start, then a rerun to the end, compared with the reference."""
+    stage.clear(project)
+    process = start(project, stage.name, log)
+    try:
+        exit_code = process.wait(timeout=kill_at)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        exit_code = None
+    written = stage.files(project)
+    if exit_code is not None or (project / stage.final).is_file():
+        phase = "after_completion"
+    else:
+        phase = "mid_output" if written else "before_output"
+    at_kill = {
+        "files": len(written),
+        "progress": stage.progress(project),
+        "temp_files": [f.relative_to(project).as_posix() for f in written if f.name.endswith(".tmp")],
+    }
+    code, seconds = run(project, stage.name, log)
+    found = differences(digests(project, stage), reference) if code == 0 else [f"rerun exit code {code}"]
+    return {
+        "kill_at_s": round(kill_at, 3),
+        "exited_before_kill": exit_code,
+        "phase": phase,
+        "at_kill": at_kill,
+        "rerun_exit_code": code,
+        "rerun_s": round(seconds, 3),
+        "equal": not found,
+        "differences": found,
+    }
+
+
+def stage_trials(project: Path, stage: Stage, upstream: list[Stage], trials: int, rng: random.Random) -> dict:
+    """The reference run, the kill trials, and the reference outputs put back; upstream digests checked."""
+    log = project / f"logs/{stage.name}.log"
+    before = {s.name: digests(project, s) for s in upstream}
+    stage.clear(project)
+    fresh_s = must_run(project, stage.name, log)
+    reference = digests(project, stage)
+    saved = project.parent / f"reference-{stage.name}"
+    for root in stage.roots:
+        shutil.copytree(project / root, saved / root, symlinks=True)
+    results = []
+    for index in range(trials):
+        kill_at = rng.uniform(0, fresh_s)
+        results.append(trial(project, stage, kill_at, reference, log))
+        click.echo(f"{stage.name} trial {index}: {json.dumps(results[-1])}", err=True)
+    stage.clear(project)
+    for root in stage.roots:
+        shutil.copytree(saved / root, project / root, symlinks=True, dirs_exist_ok=True)
+    if digests(project, stage) != reference:
+        raise click.ClickException(f"{stage.name}: the reference outputs could not be put back")
+    phases = {p: sum(r["phase"] == p for r in results) for p in ("before_output", "mid_output", "after_completion")}
+    mid = [r["rerun_s"] for r in results if r["phase"] == "mid_output"]
+    return {
+        "trials": trials,
+        "all_equal": all(r["equal"] for r in results),
+        "upstream_intact": all(digests(project, s) == before[s.name] for s in upstream),
+        "fresh_s": round(fresh_s, 3),
+        "rerun_s": {
+            "median": round(statistics.median(r["rerun_s"] for r in results), 3),
+            "median_after_mid_output_kill": round(statistics.median(mid), 3) if mid else None,
+        },
+        "phases": phases,
+        "reference": {
+            "files": len(reference),
+            "bytes": sum(f.stat().st_size for f in stage.files(project)),
+            "progress": stage.progress(project),
+        },
+        "kill_at_s": [r["kill_at_s"] for r in results],
+        "runs": results,
+    }
+
+
+@click.command()
+@click.option("--trials", default=10, show_default=True, help="kill trials per stage")
+@click.option("--seed", default=0, show_default=True, help="seed of the kill moments")
+@click.option("--threads", default=1, show_default=True, help="torch threads of the stages (OMP_NUM_THREADS)")
+@click.option("--workdir", type=click.Path(path_type=Path), default=None, help="keep the project here")
+@click.option("--out", type=click.Path(path_type=Path), default=None)
+def main(trials: int, seed: int, threads: int, workdir: Path | None, out: Path | None) -> None:
+    started = time.perf_counter()
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # the stages inherit it
+    load_before = os.getloadavg()
+    base = workdir or Path(tempfile.mkdtemp(prefix="expman-kill-"))
+    project = base / "project"
+    project.mkdir(parents=True)
+    (project / "logs").mkdir()
+    setup(project)
+    must_run(project, "prepare", project / "logs/prepare.log")
+    rng = random.Random(seed)
+    stages = {}
+    for index, stage in enumerate(STAGES):
+        if stage.name == "train":
+            must_run(project, "vocab", project / "logs/vocab.log")
+        stages[stage.name] = stage_trials(project, stage, STAGES[:index], trials, rng)
+    report = {
+        "benchmark": "kill_trials",
+        "command": "python " + " ".join(sys.argv),
+        "cpu": cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "load_average_1m": {"start": load_before[0], "end": os.getloadavg()[0]},
+        "project": {
+            "prompts": PROMPTS,
+            "train_prompt_joins": JOIN,
+            "params": OVERRIDES,
+            "verifier": "tests.conftest.make_tiny_verifier",
+        },
+        "seed": seed,
+        "threads": threads,
+        "all_equal": all(s["all_equal"] and s["upstream_intact"] for s in stages.values()),
+        "stages": stages,
+        "total_s": round(time.perf_counter() - started, 1),
+        "packages": package_versions(),
+    }
+    if workdir is None:
+        shutil.rmtree(base)
+    write_report(report, out)
+
+
+if __name__ == "__main__":
+    main()
