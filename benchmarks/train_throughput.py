@@ -143,13 +143,13 @@ def measure(
         if device == "cuda":
             torch.cuda.synchronize()
         started = time.perf_counter()
-        metrics = training_step(drafter, head, batch, optimizer, scheduler, section, noise, device)
+        metrics = training_step(drafter, head, [batch], optimizer, scheduler, section, noise, device)
         if device == "cuda":
             torch.cuda.synchronize()
         if index >= warmup:
             times.append(time.perf_counter() - started)
     if profile is not None:
-        _profile(lambda: training_step(drafter, head, batch, optimizer, scheduler, section, noise, device), profile)
+        _profile(lambda: training_step(drafter, head, [batch], optimizer, scheduler, section, noise, device), profile)
     median = statistics.median(times)
     flops = harness_flops_per_token(shape, draft_vocab, document, ttt)
     result = {

@@ -202,6 +202,9 @@ class TrainParams(Section):
     grad_clip: float = Field(default=0.5, gt=0.0)
     max_tokens: PositiveInt = 1024
     """Tokens per packed batch (documents packed into one row, attention kept within each document)."""
+    accumulate: PositiveInt = 1
+    """Packed batches per optimizer step on each process; under torchrun the global batch is accumulate ×
+    processes (same updates as one process with that many)."""
     val_fraction: float = Field(default=0.1, ge=0.0, lt=0.5)
     """Share of samples held out for validation (chosen by a hash of the sample id, stable across runs)."""
     seed: int = 0

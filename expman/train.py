@@ -27,6 +27,7 @@ from expman.drafter import DrafterConfig, Eagle3Drafter
 from expman.errors import ExpmanError
 from expman.extract import load_shard
 from expman.objective import Packed, VerifierHead, metric_values, simulated_tau, ttt_loss
+from expman.parallel import DataParallel
 from expman.params import TrainParams
 from expman.provenance import atomic_write, atomic_write_json, read_manifest, sha256_file, sha256_json, upstream_entry
 from expman.shards import remove_stale_temps
@@ -126,25 +127,40 @@ class ShardCache:
 def training_step(
     drafter: Eagle3Drafter,
     head: VerifierHead,
-    batch: Packed,
+    batches: list[Packed],
     optimizer: torch.optim.Optimizer,
     scheduler: Any,
     section: TrainParams,
     noise: torch.Generator,
     device: str,
+    micro_batches: int | None = None,
+    parallel: DataParallel | None = None,
 ) -> dict[str, float]:
-    """One optimizer step: TTT loss (bf16 autocast on CUDA), backward, clip, AdamW, schedule."""
-    with torch.autocast("cuda", dtype=torch.bfloat16) if autocasts(section, device) else nullcontext():
-        loss, tracked = ttt_loss(
-            drafter, head, batch, section.ttt_steps, section.step_loss_decay, section.noise_std, noise
-        )
+    """One optimizer step over this process's micro-batches ``batches``: TTT loss (bf16 autocast on CUDA) and
+    backward for each, gradients summed across processes, clip, AdamW, schedule.
+
+    Each loss is scaled by 1 / ``micro_batches``, the step's micro-batches on all processes (default: these), so
+    the update is the mean over the whole global batch. Metrics are this process's, averaged over its batches."""
+    count = micro_batches or len(batches)
     optimizer.zero_grad(set_to_none=True)
-    loss.backward()
+    tracked_all = []
+    for batch in batches:
+        with torch.autocast("cuda", dtype=torch.bfloat16) if autocasts(section, device) else nullcontext():
+            loss, tracked = ttt_loss(
+                drafter, head, batch, section.ttt_steps, section.step_loss_decay, section.noise_std, noise
+            )
+        (loss / count if count > 1 else loss).backward()
+        tracked_all.append(tracked)
     trainable = [p for group in optimizer.param_groups for p in group["params"]]
-    tracked["grad_norm"] = torch.nn.utils.clip_grad_norm_(trainable, section.grad_clip)
+    if parallel is not None:
+        parallel.sum_gradients(trainable)
+    grad_norm = torch.nn.utils.clip_grad_norm_(trainable, section.grad_clip)
     optimizer.step()
     scheduler.step()
-    return metric_values(tracked)
+    each = [metric_values(tracked) for tracked in tracked_all]
+    names = {name for metrics in each for name in metrics}
+    averaged = {n: sum(m[n] for m in each if n in m) / sum(n in m for m in each) for n in names}
+    return (each[0] if len(each) == 1 else averaged) | {"grad_norm": float(grad_norm)}
 
 
 def autocasts(section: TrainParams, device: str) -> bool:
@@ -315,6 +331,7 @@ def train(
     if not train_refs:
         raise ExpmanError(f"{extract_dir / 'manifest.json'}: no training samples left after the validation split")
     device = resolve_device(section.device)
+    parallel = DataParallel.from_env(device)
     head = VerifierHead.load(verifier_dir)
     vocab = load_file(str(vocab_dir / "vocab.safetensors"))
     drafter = _new_drafter(verifier_dir, head, contract, vocab, section)
@@ -324,11 +341,15 @@ def train(
     if compiles(section, device):
         drafter.compile_for_training()
     head = head.to(device, torch.bfloat16 if autocasts(section, device) else None)
-    plans = [batch_plan(train_refs, section.max_tokens, section.seed, epoch) for epoch in range(section.epochs)]
+    per_step = section.accumulate * parallel.world  # micro-batches of one optimizer step on all processes
+    plans = [
+        _steps(batch_plan(train_refs, section.max_tokens, section.seed, epoch), per_step)
+        for epoch in range(section.epochs)
+    ]
     epoch_starts = [sum(len(p) for p in plans[:epoch]) for epoch in range(section.epochs)]
     total_steps = sum(len(p) for p in plans)
     optimizer, scheduler = new_optimizer(drafter, section, total_steps)
-    noise = torch.Generator(device=device).manual_seed(section.seed)
+    noise = torch.Generator(device=device).manual_seed(section.seed + parallel.rank)
     upstream = {name: upstream_entry(path, manifest) for name, (path, manifest) in manifests.items()}
     if section.finetune_from:
         upstream["finetune_from"] = {
@@ -344,24 +365,33 @@ def train(
     )
     for path in (state_dir / "state.pt", out_dir, metrics_path):
         remove_stale_temps(path)  # what a kill during an atomic write left beside it
-    step = _resume(state_dir, plan_key, drafter, optimizer, scheduler, noise)
+    step = _resume(state_dir, plan_key, drafter, optimizer, scheduler, noise, parallel.rank)
     cache = ShardCache(extract_manifest)
     val_batches = batch_plan(val_refs, section.max_tokens, section.seed, VAL_EPOCH) if val_refs else []
     logged = section.model_dump() | ({"sample_share": sample_share} if sample_share < 1 else {})
-    with stage_run(stage, logged, upstream) as run:
+    with stage_run(stage, logged, upstream) if parallel.main else nullcontext() as run:
         drafter.train()
         window: list[dict[str, float]] = []
         final: dict[str, float] = {}
         tokens, started = 0, time.perf_counter()
-        with tqdm(total=total_steps, initial=step, desc=stage, unit="step") as bar:
-            for epoch, batches in enumerate(plans):
-                if epoch_starts[epoch] + len(batches) <= step:
+        with tqdm(total=total_steps, initial=step, desc=stage, unit="step", disable=not parallel.main) as bar:
+            for epoch, steps in enumerate(plans):
+                if epoch_starts[epoch] + len(steps) <= step:
                     continue  # finished before a resume
-                for refs in batches[step - epoch_starts[epoch] :]:
-                    batch = Packed.of([cache.document(r, section.max_tokens) for r in refs]).to(device)
-                    metrics = training_step(drafter, head, batch, optimizer, scheduler, section, noise, device)
+                for group in steps[step - epoch_starts[epoch] :]:
+                    batches = [
+                        Packed.of([cache.document(r, section.max_tokens) for r in refs]).to(device)
+                        for refs in parallel.share(group, section.accumulate)
+                    ]
+                    metrics = training_step(
+                        drafter, head, batches, optimizer, scheduler, section, noise, device, len(group), parallel
+                    )
                     step += 1
-                    tokens += batch.input_ids.numel()
+                    checkpoint = step % section.checkpoint_every == 0 or step == total_steps
+                    noise_states = parallel.gather(noise.get_state()) if checkpoint else []
+                    if not parallel.main:
+                        continue
+                    tokens += sum(batch.input_ids.numel() for batch in batches) * parallel.world
                     window.append(metrics)
                     bar.update(1)
                     if step % section.log_every == 0 or step == total_steps:
@@ -374,11 +404,14 @@ def train(
                         averaged["tok_per_s"] = tokens / (time.perf_counter() - started)
                         run.log_metrics(averaged, step=step)
                         window = []
-                    if step % section.checkpoint_every == 0 or step == total_steps:
-                        _save_state(state_dir, plan_key, step, drafter, optimizer, scheduler, noise)
-                if val_batches:
+                    if checkpoint:
+                        _save_state(state_dir, plan_key, step, drafter, optimizer, scheduler, noise_states)
+                if val_batches and parallel.main:
                     final = _evaluate(drafter, head, cache, val_batches, section, device)
                     run.log_metrics({f"val/{k}": v for k, v in final.items()}, step=step)
+        if not parallel.main:
+            parallel.close()  # waits until the main process has written every output
+            return {}
         if val_batches and not final:  # resumed after the last epoch had ended
             final = _evaluate(drafter, head, cache, val_batches, section, device)
         save_speculators(
@@ -393,11 +426,19 @@ def train(
         facts = {"contract": contract, "draft_vocab_size": drafter.config.draft_vocab_size, "metrics": metrics}
         if finish is not None:
             facts.update(finish(run, out_dir))
-        return run.write_manifest(out_dir / "manifest.json", facts)
+        manifest = run.write_manifest(out_dir / "manifest.json", facts)
+    parallel.close()
+    return manifest
 
 
-def _save_state(state_dir: Path, plan_key: str, step: int, drafter, optimizer, scheduler, noise) -> None:
-    """Everything a resume needs, written atomically (read back with ``weights_only=True``: no pickle code)."""
+def _steps(batches: list, per_step: int) -> list[list]:
+    """An epoch's micro-batches grouped into optimizer steps of ``per_step`` (the last step may have fewer)."""
+    return [batches[start : start + per_step] for start in range(0, len(batches), per_step)]
+
+
+def _save_state(state_dir: Path, plan_key: str, step: int, drafter, optimizer, scheduler, noise_states) -> None:
+    """Everything a resume needs, written atomically (read back with ``weights_only=True``: no pickle code);
+    ``noise_states`` holds each process's noise generator state, by rank."""
     state = {
         "plan_key": plan_key,
         "step": step,
@@ -405,7 +446,7 @@ def _save_state(state_dir: Path, plan_key: str, step: int, drafter, optimizer, s
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
         "torch_rng": torch.get_rng_state(),
-        "noise_rng": noise.get_state(),
+        "noise_rng": noise_states,
     }
 
     def write(tmp: Path) -> None:
@@ -425,7 +466,7 @@ def _interned(value: Any) -> Any:
     return value
 
 
-def _resume(state_dir: Path, plan_key: str, drafter, optimizer, scheduler, noise) -> int:
+def _resume(state_dir: Path, plan_key: str, drafter, optimizer, scheduler, noise, rank: int = 0) -> int:
     """Restore the last state of this exact plan; any other state is ignored (a fresh start). Returns the step."""
     path = state_dir / "state.pt"
     if not path.is_file():
@@ -437,5 +478,5 @@ def _resume(state_dir: Path, plan_key: str, drafter, optimizer, scheduler, noise
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["torch_rng"])
-    noise.set_state(state["noise_rng"])
+    noise.set_state(state["noise_rng"][rank])
     return int(state["step"])

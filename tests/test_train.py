@@ -160,3 +160,34 @@ def test_missing_finetune_source_is_refused_before_training(project: Path) -> No
     with pytest.raises(ExpmanError, match=r"^train.finetune_from: no-such-drafter: not a drafter checkpoint folder"):
         run_train()
     assert not (project / paths.DRAFTER).exists()
+
+
+def _train_process(project: Path, accumulate: int, launcher: list[str]) -> dict[str, torch.Tensor]:
+    """Run the train stage's script from scratch with ``train.accumulate`` under ``launcher``; its weights."""
+    import subprocess
+    import sys
+
+    for folder in (paths.DRAFTER, paths.TRAIN_STATE):
+        shutil.rmtree(project / folder, ignore_errors=True)
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["train"].update(accumulate=accumulate, noise_std=0.0)
+    (project / "params.yaml").write_text(yaml.safe_dump(params))
+    script = Path(__file__).resolve().parents[1] / "stages/train.py"
+    done = subprocess.run([sys.executable, *launcher, str(script)], capture_output=True, text=True, cwd=project)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return load_file(str(project / paths.DRAFTER / "model.safetensors"))
+
+
+@pytest.mark.integration
+def test_two_processes_under_torchrun_match_one_process_with_accumulation(project: Path) -> None:
+    """Data parallel: 2 processes (gloo on CPU) with accumulate 1 make the same updates as 1 process with 2."""
+    run_until("vocab")
+    single = _train_process(project, 2, [])
+    steps = json.loads((project / paths.TRAIN_METRICS).read_text())["steps"]
+    pair = _train_process(project, 1, ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"])
+    assert json.loads((project / paths.TRAIN_METRICS).read_text())["steps"] == steps
+    assert single.keys() == pair.keys()
+    moved = single["fc.weight"] - _train_process(project, 1, [])["fc.weight"]
+    assert moved.abs().max() > 1e-4  # a different global batch trains differently: the comparison can fail
+    for name, tensor in single.items():
+        torch.testing.assert_close(pair[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
