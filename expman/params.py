@@ -194,6 +194,9 @@ class TrainParams(Section):
     noise_std: float = Field(default=0.05, ge=0.0)
     """Uniform noise of this half-width added to the aux states (training only)."""
     num_layers: PositiveInt = 1
+    norm_before_residual: StrictBool = False
+    """Whether the first layer's residual is the normed hidden state (vLLM's default when a config omits the
+    key) or the raw one (speculators' and SpecForge's default); exports always write it."""
     epochs: PositiveInt = 4
     lr: float = Field(default=3e-4, gt=0.0)
     schedule: Literal["cosine", "linear"] = "cosine"

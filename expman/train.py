@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -205,6 +205,7 @@ def _new_drafter(
     config = DrafterConfig.from_verifier(
         verifier_config, int(vocab["d2t"].numel()), contract["aux_layers"], num_layers=section.num_layers
     )
+    config = replace(config, norm_before_residual=section.norm_before_residual)
     torch.manual_seed(section.seed)
     drafter = Eagle3Drafter(config)
     with torch.no_grad():

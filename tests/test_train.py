@@ -191,3 +191,13 @@ def test_two_processes_under_torchrun_match_one_process_with_accumulation(projec
     assert moved.abs().max() > 1e-4  # a different global batch trains differently: the comparison can fail
     for name, tensor in single.items():
         torch.testing.assert_close(pair[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_norm_before_residual_is_a_recipe_choice_the_export_records(project: Path) -> None:
+    run_until("vocab")
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["train"].update(norm_before_residual=True, epochs=1)
+    (project / "params.yaml").write_text(yaml.safe_dump(params))
+    run_train()
+    assert json.loads((project / paths.DRAFTER / "config.json").read_text())["norm_before_residual"] is True
+    assert load_drafter(project / paths.DRAFTER).config.norm_before_residual
