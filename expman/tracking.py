@@ -202,8 +202,8 @@ def stage_run(stage: str, params: Mapping[str, Any], upstream: Mapping[str, Mapp
 
 
 def serve_ui(host: str, port: int) -> None:
-    """Run ``mlflow ui`` on the project's store until interrupted."""
-    import subprocess
+    """Become ``mlflow ui`` on the project's store (exec, so a signal to this pid reaches the server itself, and no
+    parent is left to outlive it); MLflow's background job workers stay off unless the user turns them on."""
     import sys
 
     root = Path.cwd().resolve()
@@ -211,7 +211,8 @@ def serve_ui(host: str, port: int) -> None:
     command = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri]
     if _project_store(uri, root):
         command += ["--default-artifact-root", (root / "mlartifacts").as_uri()]
-    subprocess.run([*command, "--host", host, "--port", str(port)], check=False)
+    os.environ.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
+    os.execv(sys.executable, [*command, "--host", host, "--port", str(port)])
 
 
 # Registry writes: through the mlflow client.

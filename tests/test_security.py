@@ -56,6 +56,8 @@ def test_ui_listens_on_loopback_by_default(tmp_path: Path, monkeypatch: pytest.M
             assert ui.poll() is None and time.monotonic() < deadline, (tmp_path / "ui.log").read_text()[-3000:]
             time.sleep(0.2)
         assert listening == {"127.0.0.1"}
+        # expman ui execs into the MLflow server: a signal to the pid a user started reaches the server itself
+        assert psutil.Process(ui.pid).cmdline()[1:4] == ["-m", "mlflow", "ui"]
     finally:
         stop_group(ui)
 
@@ -64,7 +66,7 @@ def test_ui_binds_the_host_it_is_given(tmp_path: Path, monkeypatch: pytest.Monke
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     launched = []
-    monkeypatch.setattr(subprocess, "run", lambda command, **_: launched.append(command))
+    monkeypatch.setattr(os, "execv", lambda _path, command: launched.append(command))
     assert CliRunner().invoke(main, ["ui", "--host", "0.0.0.0", "--port", "5001"]).exit_code == 0
     assert launched[0][-4:] == ["--host", "0.0.0.0", "--port", "5001"]
 
