@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 from urllib.error import HTTPError, URLError
 from urllib.request import urlopen
 
@@ -121,7 +121,6 @@ def _serving(command: list[str], url: str, log: Path, env: Mapping[str, str]) ->
 def s3_bucket(folder: Path) -> Iterator[tuple[str, dict[str, str]]]:
     """An S3-compatible store (moto's server) on a free loopback port with one bucket; yields the artifact
     destination ``s3://drafters/mlflow`` and the variables an ``mlflow server`` needs to write there."""
-    import boto3
 
     port = free_port()
     env = {
@@ -132,14 +131,7 @@ def s3_bucket(folder: Path) -> Iterator[tuple[str, dict[str, str]]]:
     }
     command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
     with _serving(command, f"http://127.0.0.1:{port}/", folder / "s3.log", os.environ):
-        client = boto3.client(
-            "s3",
-            endpoint_url=env["MLFLOW_S3_ENDPOINT_URL"],
-            aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
-            aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
-            region_name=env["AWS_DEFAULT_REGION"],
-        )
-        client.create_bucket(Bucket="drafters")
+        s3_client(env).create_bucket(Bucket="drafters")
         yield "s3://drafters/mlflow", env
 
 
@@ -174,3 +166,16 @@ def stop_group(process: subprocess.Popen) -> None:
             time.sleep(0.1)
         os.killpg(process.pid, signal.SIGKILL)
     process.wait()
+
+
+def s3_client(env: dict[str, str]) -> Any:
+    """A boto3 S3 client for the endpoint and keys an S3 store's environment names."""
+    import boto3
+
+    return boto3.client(
+        "s3",
+        endpoint_url=env["MLFLOW_S3_ENDPOINT_URL"],
+        aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+        region_name=env["AWS_DEFAULT_REGION"],
+    )

@@ -30,7 +30,7 @@ from expman.compare import EVALUATE_RUN_TAG
 from expman.provenance import sha256_file
 from expman.registry import DRAFTER_SHA_TAG
 from tests.registry_fixtures import _empty_store, log_evaluation, synthetic_evaluation, tiny_checkpoint
-from tests.servers import TELEMETRY_OFF, mlflow_server, postgres, s3_bucket
+from tests.servers import TELEMETRY_OFF, mlflow_server, postgres, s3_bucket, s3_client
 
 pytestmark = pytest.mark.integration
 
@@ -212,17 +212,8 @@ def _stored_files(team: Team) -> list[str]:
     """The files in the server's artifact store."""
     if not team.artifacts.startswith("s3://"):
         return [str(path) for path in Path(team.artifacts).rglob("*") if path.is_file()]
-    import boto3
-
     bucket, _, prefix = team.artifacts.removeprefix("s3://").partition("/")
-    env = team.store_env
-    client = boto3.client(
-        "s3",
-        endpoint_url=env["MLFLOW_S3_ENDPOINT_URL"],
-        aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
-        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
-        region_name=env["AWS_DEFAULT_REGION"],
-    )
+    client = s3_client(team.store_env)
     pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
     return [item["Key"] for page in pages for item in page.get("Contents", [])]
 
