@@ -4,6 +4,7 @@ and the CLI starts without the heavy libraries."""
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -64,8 +65,9 @@ def test_ui_binds_loopback_and_the_project_store(tmp_path: Path, monkeypatch) ->
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", raising=False)  # serve_ui sets it; undone after
     launched = []
-    monkeypatch.setattr(subprocess, "run", lambda command, **_: launched.append(command))
+    monkeypatch.setattr(os, "execv", lambda executable, command: launched.append(command))  # never become the server
     assert CliRunner().invoke(main, ["ui"]).exit_code == 0
     command = launched[0]
     assert command[command.index("--host") + 1] == "127.0.0.1"
