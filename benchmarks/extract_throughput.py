@@ -1,16 +1,29 @@
-"""Extraction throughput: expman's real extract path against a bare forward of the same model on the same inputs.
+"""Extraction throughput: expman's real extract path against a bare forward of the same model on the same tokens,
+and against the disk it writes to.
 
-Arms, all on the same token batches:
-  bare     the decoder stack alone (no hooks, nothing kept) — the ceiling
-  expman   expman.extract's shard path: hooks, bf16 copies, safetensors shard + sidecar written to disk
-  naive    batch-1 ``output_hidden_states=True`` keeping every layer (the hand-written loop people start from)
-Also bytes written per token against 4·H·2 (three aux states + the final state in bf16).
+Arms, all over the same token batches:
+  bare     the decoder stack alone (no hooks, nothing kept): the compute ceiling
+  capture  expman.extract.extract_shard for every shard: hooks and device-to-host copies, nothing written
+  expman   expman.extract.write_shards, the stage's own loop: capture, then safetensors shards written, fsynced
+           and hashed in background threads while the next shard computes
+  naive    batch-1 ``output_hidden_states=True`` copying every layer to the host (the loop people start from)
+  disk     sequential write bandwidth of the shard folder's disk (shard-sized files, each fsynced), measured in
+           the same run: the disk ceiling is that bandwidth over the bytes expman writes per token
+Also bytes written per token against 4·H·2 (three aux states and the final state in bf16).
+
+CPU, the prepared SmolLM2 verifier:
 
   python benchmarks/extract_throughput.py --verifier models/verifier --out benchmarks/results/extract_cpu.json
+
+GPU (``--gpu``): a verifier with Llama-3.1-8B's shape built from its config with random weights, bf16, sdpa,
+batches of 4 × 2048 tokens:
+
+  python benchmarks/extract_throughput.py --gpu --out benchmarks/results/extract_gpu_h200.json
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import statistics
 import sys
@@ -20,89 +33,156 @@ from pathlib import Path
 
 import click
 import torch
-from reporting import cpu_name, write_report
+from reporting import SHAPES, cpu_name, write_report
 
-from expman.extract import CaptureHooks, default_aux_layers, extract_shard
+from expman.extract import CaptureHooks, capture_contract, extract_shard, write_shards
 from expman.params import ExtractParams
 from expman.provenance import package_versions
 from expman.shards import ShardSet
 from expman.verifier import load_verifier, resolve_device, resolve_dtype
 
 
+def _random_verifier(shape: str) -> torch.nn.Module:
+    """A causal LM with a real model's shape and random weights, built directly on the GPU in bf16."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(**SHAPES[shape], attn_implementation="sdpa")
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config)
+    return model.to(torch.bfloat16).eval()
+
+
 def _samples(vocab: int, count: int, length: int, seed: int) -> list[dict]:
     generator = torch.Generator().manual_seed(seed)
     return [
-        {"id": f"s{k}", "ids": torch.randint(0, vocab, (length,), generator=generator).tolist(), "prompt_tokens": 32}
-        for k in range(count)
+        {"id": f"s{k:05d}", "ids": ids.tolist(), "prompt_tokens": 32}
+        for k, ids in enumerate(torch.randint(0, vocab, (count, length), generator=generator))
     ]
 
 
-def _time(fn, repeats: int) -> list[float]:
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _timed(fn, repeats: int, setup=lambda: None) -> float:
+    """Median seconds of ``fn`` over ``repeats`` runs (``setup`` runs untimed before each)."""
     times = []
     for _ in range(repeats):
+        setup()
+        _sync()
         started = time.perf_counter()
         fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        _sync()
         times.append(time.perf_counter() - started)
-    return times
+    return statistics.median(times)
+
+
+def _disk_write_bandwidth(folder: Path, file_bytes: int, files: int) -> float:
+    """Bytes per second of sequential writes of ``files`` files of ``file_bytes`` each, fsynced like shards."""
+    block = bytes(16 << 20)
+    blocks = max(1, round(file_bytes / len(block)))
+    started = time.perf_counter()
+    for k in range(files):
+        with open(folder / f"disk-probe-{k}", "wb") as handle:
+            for _ in range(blocks):
+                handle.write(block)
+            os.fsync(handle.fileno())
+    elapsed = time.perf_counter() - started
+    for k in range(files):
+        (folder / f"disk-probe-{k}").unlink()
+    return files * blocks * len(block) / elapsed
 
 
 @click.command()
-@click.option("--verifier", type=click.Path(exists=True, path_type=Path), default=Path("models/verifier"))
-@click.option("--samples", default=8, show_default=True, help="sequences per shard")
-@click.option("--length", default=512, show_default=True, help="tokens per sequence")
-@click.option("--batch-tokens", default=4096, show_default=True)
-@click.option("--repeats", default=3, show_default=True)
-@click.option("--device", default="auto", show_default=True)
+@click.option("--verifier", type=click.Path(exists=True, path_type=Path), help="a prepared verifier folder (CPU)")
+@click.option("--gpu", is_flag=True, help="Llama-3.1-8B's shape with random weights on CUDA")
+@click.option("--shape", type=click.Choice(sorted(SHAPES)), default="llama3-8b", show_default=True, help="with --gpu")
+@click.option("--samples", type=int, help="sequences in all  [default: 8 on CPU, 256 with --gpu]")
+@click.option("--samples-per-shard", type=int, help="[default: 8 on CPU, 32 with --gpu]")
+@click.option("--length", type=int, help="tokens per sequence  [default: 512 on CPU, 2048 with --gpu]")
+@click.option("--batch-tokens", type=int, help="[default: 4096 on CPU, 8192 with --gpu]")
+@click.option("--naive-samples", default=8, show_default=True)
+@click.option("--repeats", default=2, show_default=True)
+@click.option("--disk-dir", type=click.Path(file_okay=False, path_type=Path), help="shards go to a temp folder in it")
 @click.option("--out", type=click.Path(path_type=Path), required=True)
-def main(verifier: Path, samples: int, length: int, batch_tokens: int, repeats: int, device: str, out: Path) -> None:
-    device = resolve_device(device)
-    dtype = resolve_dtype("auto", device)
-    model = load_verifier(verifier, device, dtype)
+def main(
+    verifier: Path | None,
+    gpu: bool,
+    shape: str,
+    samples: int | None,
+    samples_per_shard: int | None,
+    length: int | None,
+    batch_tokens: int | None,
+    naive_samples: int,
+    repeats: int,
+    disk_dir: Path | None,
+    out: Path,
+) -> None:
+    if gpu:
+        device, dtype, model = "cuda", torch.bfloat16, _random_verifier(shape)
+        samples, samples_per_shard = samples or 256, samples_per_shard or 32
+        length, batch_tokens = length or 2048, batch_tokens or 8192
+    else:
+        device = resolve_device("auto")
+        dtype = resolve_dtype("auto", device)
+        model = load_verifier(verifier or Path("models/verifier"), device, dtype)
+        samples, samples_per_shard = samples or 8, samples_per_shard or 8
+        length, batch_tokens = length or 512, batch_tokens or 4096
     config = model.config
-    aux = default_aux_layers(config.num_hidden_layers)
-    section = ExtractParams(batch_tokens=batch_tokens, samples_per_shard=samples)
+    section = ExtractParams(batch_tokens=batch_tokens, samples_per_shard=samples_per_shard)
+    contract = capture_contract({"num_hidden_layers": config.num_hidden_layers}, section)
     batch = _samples(config.vocab_size, samples, length, seed=0)
     tokens = samples * length
     rows = max(1, batch_tokens // length)
-    ids = torch.tensor([s["ids"] for s in batch], device=device)
-    mask = torch.ones_like(ids)
+    ids = torch.tensor([s["ids"] for s in batch])
     base = model.get_decoder()
+    root = Path(tempfile.mkdtemp(prefix="expman-bench-", dir=disk_dir))
 
     def bare() -> None:
         with torch.inference_mode():
             for start in range(0, samples, rows):
-                base(input_ids=ids[start : start + rows], attention_mask=mask[start : start + rows], use_cache=False)
+                chunk = ids[start : start + rows].to(device)
+                base(input_ids=chunk, attention_mask=torch.ones_like(chunk), use_cache=False)
 
-    capture = CaptureHooks(model, aux, section.final_state)
-    shard_root = Path(tempfile.mkdtemp(prefix="expman-bench-"))
+    capture = CaptureHooks(model, contract["aux_layers"], section.final_state)
 
-    def expman_path() -> None:
-        from safetensors.torch import save_file
+    def capture_only() -> None:
+        for start in range(0, samples, samples_per_shard):
+            extract_shard(capture, batch[start : start + samples_per_shard], section, device)
 
-        shards = ShardSet(shard_root)
-        tensors = extract_shard(capture, batch, section, device)
-        shards.write("shard.safetensors", str(time.time()), lambda tmp: save_file(tensors, str(tmp)))
+    def expman() -> None:
+        write_shards(lambda: capture, batch, section, contract, ShardSet(root / "shards"), device)
+
+    def fresh_folder() -> None:
+        shutil.rmtree(root / "shards", ignore_errors=True)
+
+    bare()  # warm-up: kernels chosen, allocator and pinned-memory caches filled
+    capture_only()
+    seconds = {
+        "bare": _timed(bare, repeats),
+        "capture": _timed(capture_only, repeats),
+        "expman": _timed(expman, repeats, setup=fresh_folder),
+    }
+    stored = sum(p.stat().st_size for p in (root / "shards").glob("*.safetensors"))
+    capture.remove()
 
     def naive() -> None:
         with torch.inference_mode():
-            for k in range(samples):
-                out = model(input_ids=ids[k : k + 1], output_hidden_states=True)
-                [h.to(torch.bfloat16).cpu().clone() for h in out.hidden_states]
+            for k in range(naive_samples):
+                out = model(input_ids=ids[k : k + 1].to(device), output_hidden_states=True)
+                [h.to(torch.bfloat16).cpu() for h in out.hidden_states]
 
-    bare()  # warm-up
-    results = {}
-    for name, fn in (("bare", bare), ("expman", expman_path), ("naive", naive)):
-        if name == "expman":
-            capture.remove()
-            capture = CaptureHooks(model, aux, section.final_state)
-        elif name == "naive":
-            capture.remove()
-        times = _time(fn, repeats)
-        results[name] = {"median_s": statistics.median(times), "tok_per_s": tokens / statistics.median(times)}
-    stored = (shard_root / "shard.safetensors").stat().st_size
-    shutil.rmtree(shard_root)
+    arms = {name: {"median_s": s, "tok_per_s": tokens / s} for name, s in seconds.items()}
+    naive_s = _timed(naive, repeats)
+    arms["naive"] = {"median_s": naive_s, "tok_per_s": naive_samples * length / naive_s}
+    fresh_folder()
+    shard_bytes = stored // max(1, -(-samples // samples_per_shard))
+    disk_bps = _disk_write_bandwidth(root, shard_bytes, files=4)
+    shutil.rmtree(root)
+    bytes_per_token = stored / tokens
+    disk_ceiling = disk_bps / bytes_per_token
+    ceiling = min(arms["bare"]["tok_per_s"], disk_ceiling)
     hidden_bytes = 4 * config.hidden_size * 2
     report = {
         "benchmark": "extract_throughput",
@@ -110,14 +190,20 @@ def main(verifier: Path, samples: int, length: int, batch_tokens: int, repeats: 
         "device": torch.cuda.get_device_name() if device == "cuda" else cpu_name(),
         "cpu_threads": torch.get_num_threads(),
         "dtype": str(dtype),
+        "attention": config._attn_implementation,
         "model": {"layers": config.num_hidden_layers, "hidden": config.hidden_size, "vocab": config.vocab_size},
+        "batch": {"rows": rows, "length": length, "samples": samples, "samples_per_shard": samples_per_shard},
         "tokens_per_repeat": tokens,
-        "arms": results,
-        "expman_vs_bare": results["expman"]["tok_per_s"] / results["bare"]["tok_per_s"],
-        "expman_vs_naive": results["expman"]["tok_per_s"] / results["naive"]["tok_per_s"],
-        "bytes_per_token": stored / tokens,
+        "arms": arms,
+        "disk_write_bytes_per_s": disk_bps,
+        "disk_ceiling_tok_per_s": disk_ceiling,
+        "ceiling_tok_per_s": ceiling,
+        "expman_vs_ceiling": arms["expman"]["tok_per_s"] / ceiling,
+        "expman_vs_bare": arms["expman"]["tok_per_s"] / arms["bare"]["tok_per_s"],
+        "expman_vs_naive": arms["expman"]["tok_per_s"] / arms["naive"]["tok_per_s"],
+        "bytes_per_token": bytes_per_token,
         "hidden_bytes_per_token": hidden_bytes,
-        "bytes_ratio": stored / tokens / hidden_bytes,
+        "bytes_ratio": bytes_per_token / hidden_bytes,
         "packages": package_versions(),
     }
     write_report(report, out)

@@ -1,5 +1,5 @@
-"""What every benchmark script shares: the CPU's name for the machine facts, and the result JSON written to
-``--out`` and printed."""
+"""What every benchmark script shares: verifier shapes (configs of real models, built with random weights), the
+CPU's name for the machine facts, and the result JSON written to ``--out`` and printed."""
 
 from __future__ import annotations
 
@@ -28,3 +28,25 @@ def write_report(report: dict[str, Any], out: Path | None) -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text + "\n")
     click.echo(text)
+
+
+def _llama(hidden: int, intermediate: int, heads: int, kv_heads: int, vocab: int, layers: int) -> dict:
+    return {
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 131072,
+        "vocab_size": vocab,
+        "hidden_act": "silu",
+        "rope_theta": 500000.0,
+        "num_hidden_layers": layers,
+    }
+
+
+SHAPES = {
+    "smollm2-135m": _llama(576, 1536, 9, 3, 49152, 30) | {"rope_theta": 100000.0, "max_position_embeddings": 8192},
+    "llama3-8b": _llama(4096, 14336, 32, 8, 128256, 32),
+    "kimi-k2": _llama(7168, 18432, 64, 8, 163840, 61),
+}

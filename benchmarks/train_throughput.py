@@ -31,7 +31,7 @@ from pathlib import Path
 
 import click
 import torch
-from reporting import cpu_name, write_report
+from reporting import SHAPES, cpu_name, write_report
 
 from expman.drafter import DrafterConfig, Eagle3Drafter
 from expman.extract import default_aux_layers
@@ -45,26 +45,6 @@ PEAK_BF16_FLOPS = 790e12
 """Dense bf16 matmul rate on random data measured on one H200 (the peer harness's PEAK)."""
 
 
-def _llama(hidden: int, intermediate: int, heads: int, kv_heads: int, vocab: int, layers: int) -> dict:
-    return {
-        "hidden_size": hidden,
-        "intermediate_size": intermediate,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "rms_norm_eps": 1e-5,
-        "max_position_embeddings": 131072,
-        "vocab_size": vocab,
-        "hidden_act": "silu",
-        "rope_theta": 500000.0,
-        "num_hidden_layers": layers,
-    }
-
-
-SHAPES = {
-    "smollm2-135m": _llama(576, 1536, 9, 3, 49152, 30) | {"rope_theta": 100000.0, "max_position_embeddings": 8192},
-    "llama3-8b": _llama(4096, 14336, 32, 8, 128256, 32),
-    "kimi-k2": _llama(7168, 18432, 64, 8, 163840, 61),
-}
 GPU_CONFIGS = [("llama3-8b", 3), ("llama3-8b", 7), ("kimi-k2", 3)]
 
 
@@ -80,7 +60,7 @@ def harness_flops_per_token(shape: dict, draft_vocab: int, document: int, ttt: i
     return forward + 2 * (forward - verifier_head)
 
 
-def _batch(shape: dict, tokens: int, document: int, generator: torch.Generator, device: str) -> Packed:
+def random_batch(shape: dict, tokens: int, document: int, generator: torch.Generator, device: str) -> Packed:
     """Random packed documents in the shard dtype (bf16 features), made on the device."""
     hidden, vocab = shape["hidden_size"], shape["vocab_size"]
     documents = []
@@ -102,22 +82,14 @@ def _batch(shape: dict, tokens: int, document: int, generator: torch.Generator, 
     return Packed.of(documents).to(device)
 
 
-def measure(
-    shape_name: str,
-    tokens: int,
-    document: int,
-    ttt: int,
-    draft_vocab: int,
-    warmup: int,
-    steps: int,
-    device: str,
-    profile: Path | None = None,
-) -> dict:
-    """Time ``steps`` training steps after ``warmup`` (compilation happens there) on fresh random batches."""
-    shape = SHAPES[shape_name]
+def random_drafter(
+    shape: dict, section: TrainParams, draft_vocab: int, device: str
+) -> tuple[Eagle3Drafter, VerifierHead]:
+    """A drafter for a verifier of ``shape`` and that verifier's head, random but the same in every process (seed 0),
+    set up as the train stage sets them up (dtype, compiled layers on CUDA)."""
+    torch.manual_seed(0)
     generator = torch.Generator(device=device).manual_seed(0)
     hidden, vocab = shape["hidden_size"], shape["vocab_size"]
-    section = TrainParams(ttt_steps=ttt, max_tokens=tokens)
     head = VerifierHead(
         torch.randn(vocab, hidden, generator=generator, device=device) * 0.02,
         torch.ones(hidden, device=device),
@@ -133,11 +105,30 @@ def measure(
     drafter = drafter.to(device)
     if compiles(section, device):
         drafter.compile_for_training()
+    return drafter, head
+
+
+def measure(
+    shape_name: str,
+    tokens: int,
+    document: int,
+    ttt: int,
+    draft_vocab: int,
+    warmup: int,
+    steps: int,
+    device: str,
+    profile: Path | None = None,
+) -> dict:
+    """Time ``steps`` training steps after ``warmup`` (compilation happens there) on fresh random batches."""
+    shape = SHAPES[shape_name]
+    section = TrainParams(ttt_steps=ttt, max_tokens=tokens)
+    drafter, head = random_drafter(shape, section, draft_vocab, device)
     optimizer, scheduler = new_optimizer(drafter, section, total_steps=warmup + steps)
+    generator = torch.Generator(device=device).manual_seed(1)
     noise = torch.Generator(device=device).manual_seed(0)
     times, metrics = [], {}
     for index in range(warmup + steps):
-        batch = _batch(shape, tokens, document, generator, device)
+        batch = random_batch(shape, tokens, document, generator, device)
         if index == warmup and device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         if device == "cuda":

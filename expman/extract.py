@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +22,17 @@ from expman.provenance import read_manifest, sha256_json, upstream_entry
 from expman.shards import ShardSet, remove_stale_temps, verify_shard
 from expman.tracking import stage_run
 
-__all__ = ["CaptureHooks", "capture_contract", "default_aux_layers", "extract", "extract_shard", "load_shard"]
+__all__ = [
+    "CaptureHooks",
+    "capture_contract",
+    "default_aux_layers",
+    "extract",
+    "extract_shard",
+    "load_shard",
+    "write_shards",
+]
 
+SHARD_WRITERS = 2  # shards being written while the next one computes
 LAYER_CONVENTION = "hf_hidden_states"  # 0 = embeddings, i = output of decoder layer i-1 (= vLLM/speculators ids)
 TENSORS = {
     "input_ids": "[T] int32",
@@ -104,11 +114,23 @@ def _batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
     return batches
 
 
-def extract_shard(capture: CaptureHooks, samples: list[dict[str, Any]], section: ExtractParams, device: str) -> dict:
+def extract_shard(capture: CaptureHooks, samples: list[dict[str, Any]], section: ExtractParams, device: str) -> tuple:
+    """Run the verifier over one shard's samples; return its tensors and, on CUDA, the event after which their host
+    copies are complete (None on CPU).
+
+    On CUDA the states go straight from each batch's valid rows into one pinned host tensor per shard, by
+    asynchronous copies queued behind the forward: the GPU never waits for the host, and the host never blocks on
+    the GPU, so the next batch (and the next shard) computes while earlier ones are copied and written."""
     import torch
 
     lengths = [len(s["ids"]) for s in samples]
-    aux_rows, final_rows = [], []
+    offsets = torch.tensor([0, *lengths]).cumsum(0)
+    on_gpu = torch.device(device).type == "cuda"
+    hidden = capture.base.config.hidden_size
+    aux_host = torch.empty(
+        (int(offsets[-1]), len(capture.aux_layers) * hidden), dtype=torch.bfloat16, pin_memory=on_gpu
+    )
+    final_host = torch.empty((int(offsets[-1]), hidden), dtype=torch.bfloat16, pin_memory=on_gpu)
     for batch in _batches(lengths, section.batch_tokens):
         width = lengths[batch[0]]
         ids = torch.zeros((len(batch), width), dtype=torch.long)
@@ -118,20 +140,87 @@ def extract_shard(capture: CaptureHooks, samples: list[dict[str, Any]], section:
             mask[r, : lengths[k]] = 1
         with torch.inference_mode():
             aux, final = capture(ids.to(device), mask.to(device))
-        for r, k in enumerate(batch):
-            aux_rows.append(aux[r, : lengths[k]].to(torch.bfloat16).cpu())
-            final_rows.append(final[r, : lengths[k]].to(torch.bfloat16).cpu())
-    offsets = torch.tensor([0, *lengths]).cumsum(0)
+            for r, k in enumerate(batch):  # rows are padded at the end: each sample is a prefix of its row
+                rows = slice(int(offsets[k]), int(offsets[k + 1]))
+                aux_host[rows].copy_(aux[r, : lengths[k]], non_blocking=on_gpu)
+                final_host[rows].copy_(final[r, : lengths[k]], non_blocking=on_gpu)
+    copied = None
+    if on_gpu:
+        copied = torch.cuda.Event()
+        copied.record()
     loss_mask = torch.zeros(int(offsets[-1]), dtype=torch.bool)
     for k, sample in enumerate(samples):
         loss_mask[int(offsets[k]) + sample["prompt_tokens"] : int(offsets[k + 1])] = True
-    return {
+    tensors = {
         "input_ids": torch.tensor([t for s in samples for t in s["ids"]], dtype=torch.int32),
         "loss_mask": loss_mask,
-        "aux_hidden_states": torch.cat(aux_rows),
-        "final_hidden_states": torch.cat(final_rows),
+        "aux_hidden_states": aux_host,
+        "final_hidden_states": final_host,
         "sample_offsets": offsets.to(torch.int64),
     }
+    return tensors, copied
+
+
+def write_shards(
+    capture: Callable[[], CaptureHooks],
+    samples: list[dict[str, Any]],
+    section: ExtractParams,
+    contract: dict[str, Any],
+    shards: ShardSet,
+    device: str,
+    progress: Callable[[int], None] = lambda tokens: None,
+) -> tuple[list[dict[str, Any]], int]:
+    """Compute and write every planned shard that is not already done; return (entries in plan order, tokens
+    computed). ``capture`` is called only when a shard needs computing, so a finished folder loads no model.
+
+    Writing (safetensors file, fsync, sha256 of the bytes on disk) runs in background threads, at most
+    ``SHARD_WRITERS`` shards at a time, while the next shard computes: host memory stays bounded and a GPU
+    verifier is held back by the disk only when the disk is the slower of the two. A kill loses only the shards
+    in flight; their temp files are removed on the next run."""
+    from concurrent.futures import Future, ThreadPoolExecutor
+
+    from safetensors.torch import save_file
+
+    chunks = [
+        samples[start : start + section.samples_per_shard]
+        for start in range(0, len(samples), section.samples_per_shard)
+    ]
+    entries: list[dict[str, Any]] = [{} for _ in chunks]
+    in_flight: list[tuple[int, Future]] = []
+    computed = 0
+
+    def write(name: str, key: str, tensors: dict, copied: Any, metadata: dict, count: int) -> dict[str, Any]:
+        if copied is not None:
+            copied.synchronize()
+        return shards.write(
+            name,
+            key,
+            lambda tmp: save_file(tensors, str(tmp), metadata=metadata),
+            samples=count,
+            tokens=int(tensors["input_ids"].numel()),
+            loss_tokens=int(tensors["loss_mask"].sum()),
+        )
+
+    with ThreadPoolExecutor(SHARD_WRITERS, thread_name_prefix="shard-writer") as writers:
+        for index, chunk in enumerate(chunks):
+            name = f"shard-{index:05d}.safetensors"
+            key = sha256_json({"contract": contract, "samples": chunk})
+            done = shards.done(name, key)
+            if done is not None:
+                entries[index] = done
+            else:
+                tensors, copied = extract_shard(capture(), chunk, section, device)
+                # one metadata key: safetensors writes the metadata map in no fixed order
+                metadata = {"expman": json.dumps({"key": key, "sample_ids": [s["id"] for s in chunk]})}
+                if len(in_flight) == SHARD_WRITERS:
+                    finished, future = in_flight.pop(0)
+                    entries[finished] = future.result()
+                in_flight.append((index, writers.submit(write, name, key, tensors, copied, metadata, len(chunk))))
+                computed += int(tensors["input_ids"].numel())
+            progress(sum(len(s["ids"]) for s in chunk))
+        for finished, future in in_flight:
+            entries[finished] = future.result()
+    return entries, computed
 
 
 def _plan(records: list[dict[str, Any]], max_seq_len: int) -> list[dict[str, Any]]:
@@ -151,7 +240,6 @@ def _plan(records: list[dict[str, Any]], max_seq_len: int) -> list[dict[str, Any
 
 def extract(params: Params, verifier_dir: Path, generated_dir: Path, out_dir: Path) -> dict[str, Any]:
     """Write shards to ``params.extract.shard_dir`` and ``out_dir/manifest.json``."""
-    from safetensors.torch import save_file
     from tqdm import tqdm
 
     from expman.verifier import load_verifier, resolve_device, resolve_dtype
@@ -174,34 +262,18 @@ def extract(params: Params, verifier_dir: Path, generated_dir: Path, out_dir: Pa
     shards = ShardSet(shard_dir)
     device = resolve_device(section.device)
     with stage_run("extract", section.model_dump(), upstream) as run:
-        capture: CaptureHooks | None = None
-        entries, computed_tokens = [], 0
+        loaded: list[CaptureHooks] = []
+
+        def capture() -> CaptureHooks:
+            if not loaded:
+                model = load_verifier(verifier_dir, device, resolve_dtype(section.dtype, device))
+                loaded.append(CaptureHooks(model, contract["aux_layers"], section.final_state))
+            return loaded[0]
+
         started = time.perf_counter()
         total_tokens = sum(len(s["ids"]) for s in samples)
         with tqdm(total=total_tokens, desc="extract", unit="tok", unit_scale=True) as bar:
-            for index, start in enumerate(range(0, len(samples), section.samples_per_shard)):
-                chunk = samples[start : start + section.samples_per_shard]
-                name = f"shard-{index:05d}.safetensors"
-                key = sha256_json({"contract": contract, "samples": chunk})
-                entry = shards.done(name, key)
-                if entry is None:
-                    if capture is None:
-                        model = load_verifier(verifier_dir, device, resolve_dtype(section.dtype, device))
-                        capture = CaptureHooks(model, contract["aux_layers"], section.final_state)
-                    tensors = extract_shard(capture, chunk, section, device)
-                    # one metadata key: safetensors writes the metadata map in no fixed order
-                    metadata = {"expman": json.dumps({"key": key, "sample_ids": [s["id"] for s in chunk]})}
-                    entry = shards.write(
-                        name,
-                        key,
-                        lambda tmp, t=tensors, m=metadata: save_file(t, str(tmp), metadata=m),
-                        samples=len(chunk),
-                        tokens=int(tensors["input_ids"].numel()),
-                        loss_tokens=int(tensors["loss_mask"].sum()),
-                    )
-                    computed_tokens += entry["tokens"]
-                entries.append(entry)
-                bar.update(entry["tokens"])
+            entries, computed_tokens = write_shards(capture, samples, section, contract, shards, device, bar.update)
         elapsed = time.perf_counter() - started
         shards.remove_others({e["path"] for e in entries})
         tokens = sum(e["tokens"] for e in entries)
