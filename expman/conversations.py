@@ -10,15 +10,16 @@ Existing assistant turns are dropped: generate regenerates them with the verifie
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from expman.errors import ExpmanError
 from expman.params import DatasetSpec
 
-__all__ = ["Conversation", "read_dataset"]
+__all__ = ["Conversation", "prompt_id", "read_dataset"]
 
+SAMPLE_SEPARATOR = "~s"
 FORMAT_KEYS = {"prompts": "prompt", "sharegpt": "conversations", "openai": "messages"}
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
@@ -32,6 +33,17 @@ class Conversation:
     split: str
     system: str | None
     user_turns: tuple[str, ...]
+    sample: int = 0
+    """0: the response at ``generate.temperature``; k > 0: the k-th one sampled at ``sample_temperature``."""
+
+    def sampled(self, k: int) -> Conversation:
+        """The k-th sampled copy, with its own id (``<id>~s<k>``)."""
+        return replace(self, id=f"{self.id}{SAMPLE_SEPARATOR}{k}", sample=k)
+
+
+def prompt_id(record_id: str) -> str:
+    """The id of the conversation a record was generated from (a sampled copy's id without its suffix)."""
+    return record_id.split(SAMPLE_SEPARATOR, 1)[0]
 
 
 def _turns(record: dict[str, Any], fmt: str, where: str) -> tuple[str | None, list[str]]:
@@ -89,6 +101,8 @@ def read_dataset(spec: DatasetSpec, root: Path, max_turns: int) -> list[Conversa
         record_id = str(record.get("id", f"{Path(spec.path).stem}-{line_no}"))
         if record_id in seen:
             raise ExpmanError(f"{where}: duplicate id {record_id!r}")
+        if SAMPLE_SEPARATOR in record_id:
+            raise ExpmanError(f"{where}: id {record_id!r} contains {SAMPLE_SEPARATOR!r}, which marks sampled copies")
         seen.add(record_id)
         category = str(record.get("category", "general"))
         conversations.append(Conversation(record_id, category, spec.split, system, tuple(users[:max_turns])))

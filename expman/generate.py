@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+import zlib
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -39,7 +40,10 @@ class GenOutput:
 
 
 class Backend(Protocol):
-    def generate(self, batch: Sequence[Messages]) -> list[GenOutput]: ...
+    def generate(self, batch: Sequence[Messages], temperature: float, seeds: Sequence[int]) -> list[GenOutput]:
+        """One reply per conversation of ``batch``, at ``temperature`` (0 = greedy); ``seeds`` has one seed per
+        conversation for engines that seed each request."""
+        ...
 
     def close(self) -> None: ...
 
@@ -68,7 +72,8 @@ class HFBackend:
     def close(self) -> None:
         """Nothing to stop: the model is plain tensors in this process."""
 
-    def generate(self, batch: Sequence[Messages]) -> list[GenOutput]:
+    def generate(self, batch: Sequence[Messages], temperature: float, seeds: Sequence[int]) -> list[GenOutput]:
+        """Sampling draws from torch's global generator, which generate seeds once per shard."""
         import torch
 
         prompts = [self._prompt_ids(m) for m in batch]
@@ -83,7 +88,6 @@ class HFBackend:
             for r, i in enumerate(rows):
                 ids[r, width - len(prompts[i]) :] = torch.tensor(prompts[i])
                 mask[r, width - len(prompts[i]) :] = 1
-            temperature = self.params.temperature
             sampling = {"do_sample": True, "temperature": temperature} if temperature else {"do_sample": False}
             with torch.inference_mode():
                 out = self.model.generate(
@@ -110,17 +114,27 @@ def _make_backend(model_dir: Path, params: GenerateParams) -> Backend:
     return HFBackend(model_dir, params)
 
 
-def _regenerate(backend: Backend, conversations: Sequence[Conversation]) -> list[dict[str, Any]]:
-    """Answer every user turn in order; return one record per conversation."""
+def _regenerate(
+    backend: Backend, conversations: Sequence[Conversation], section: GenerateParams
+) -> list[dict[str, Any]]:
+    """Answer every user turn in order (main responses at ``temperature``, sampled copies at
+    ``sample_temperature``, each request seeded from its conversation id); return one record per conversation."""
     histories: list[Messages] = [[{"role": "system", "content": c.system}] if c.system else [] for c in conversations]
     last: list[GenOutput | None] = [None] * len(conversations)
     for turn in range(max(len(c.user_turns) for c in conversations)):
-        active = [i for i, c in enumerate(conversations) if turn < len(c.user_turns)]
-        for i in active:
-            histories[i].append({"role": "user", "content": conversations[i].user_turns[turn]})
-        for i, output in zip(active, backend.generate([histories[i] for i in active]), strict=True):
-            histories[i].append({"role": "assistant", "content": output.text})
-            last[i] = output
+        for sampled in (False, True):
+            active = [i for i, c in enumerate(conversations) if turn < len(c.user_turns) and bool(c.sample) == sampled]
+            if not active:
+                continue
+            for i in active:
+                histories[i].append({"role": "user", "content": conversations[i].user_turns[turn]})
+            temperature = section.sample_temperature if sampled else section.temperature
+            seeds = [section.seed + zlib.crc32(conversations[i].id.encode()) for i in active]
+            for i, output in zip(
+                active, backend.generate([histories[i] for i in active], temperature, seeds), strict=True
+            ):
+                histories[i].append({"role": "assistant", "content": output.text})
+                last[i] = output
     records = []
     for conversation, history, output in zip(conversations, histories, last, strict=True):
         assert output is not None
@@ -167,6 +181,9 @@ def generate(params: Params, verifier_dir: Path, out_dir: Path) -> dict[str, Any
                 raise ExpmanError(f"{spec.path}: id {conversation.id!r} also appears in {seen[conversation.id]}")
             seen[conversation.id] = spec.path
             conversations.setdefault(spec.split, []).append(conversation)
+    originals = conversations.get("train", [])
+    for k in range(1, section.sampled_responses + 1):  # after the originals: their shards stay as they were
+        conversations["train"] = conversations["train"] + [c.sampled(k) for c in originals]
     upstream = {"prepare": upstream_entry(verifier_dir / "manifest.json", verifier_manifest)}
     settings = {
         "verifier_weights": verifier_manifest["verifier"]["weights_sha256"],
@@ -191,7 +208,7 @@ def generate(params: Params, verifier_dir: Path, out_dir: Path) -> dict[str, Any
                     if entry is None:
                         backend = backend or _make_backend(verifier_dir, section)
                         torch.manual_seed(section.seed + index)  # sampling replays the same after a resume
-                        records = _regenerate(backend, chunk)
+                        records = _regenerate(backend, chunk, section)
                         facts = {
                             "records": len(records),
                             "failed": sum(not r["ok"] for r in records),

@@ -2,11 +2,15 @@
 
 Every error is reported as one line naming the file and the dotted key (``generate.batch_size``).
 Relative paths in params are resolved against the working directory, the project root where DVC runs stages.
+
+``preset: NAME`` selects ``presets/NAME.yaml`` beside params.yaml: its sections are merged over params.yaml's
+key by key (``dvc exp run -S preset=quality``; tune inside it with ``-S presets/quality.yaml:train.lr=1e-3``).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
@@ -131,6 +135,10 @@ class GenerateParams(Section):
     """User turns regenerated per conversation; the last regenerated response is the training target."""
     temperature: float = Field(default=0.0, ge=0.0, le=2.0)
     """0 = greedy (reproducible)."""
+    sampled_responses: int = Field(default=0, ge=0, le=64)
+    """Extra responses per train conversation, sampled at ``sample_temperature``: more training text from the
+    same prompts. Copies of a prompt always fall on the same side of the train/validation split."""
+    sample_temperature: float = Field(default=0.8, gt=0.0, le=2.0)
     seed: int = 0
     batch_size: PositiveInt = 48
     shard_size: PositiveInt = 96
@@ -319,9 +327,15 @@ class PromoteParams(Section):
     """The deployment target the speedup was measured on; gates and audit tags name it."""
 
 
+PRESETS = "presets"
+"""The folder beside params.yaml that holds the presets (``default.yaml`` changes nothing)."""
+
+
 class Params(Section):
     """The whole params.yaml."""
 
+    preset: str = "default"
+    """The file of ``presets/`` merged over this one's sections."""
     prepare: PrepareParams
     generate: GenerateParams
     extract: ExtractParams
@@ -356,13 +370,7 @@ def _one_line(error: dict[str, Any]) -> str:
     return f"{key}: {message}{got}"
 
 
-def load_params(path: str | Path = "params.yaml") -> Params:
-    """Read and validate params.yaml; raise ExpmanError with one line naming the key on any problem."""
-    path = Path(path)
-    if path.is_dir():
-        raise ExpmanError(f"{path}: a folder, not a params file")
-    if not path.is_file():
-        raise ExpmanError(f"{path}: params file not found")
+def _read_mapping(path: Path, what: str) -> dict[str, Any]:
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (yaml.YAMLError, UnicodeDecodeError) as err:
@@ -370,10 +378,53 @@ def load_params(path: str | Path = "params.yaml") -> Params:
         where = f" at line {mark.line + 1}" if mark else ""
         raise ExpmanError(f"{path}: not valid YAML{where}") from None
     if not isinstance(data, dict):
-        raise ExpmanError(f"{path}: expected a mapping of stage sections at the top level")
+        raise ExpmanError(f"{path}: expected a mapping of {what} at the top level")
+    return data
+
+
+def _merged(base: dict[str, Any], overlay: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``overlay``'s keys replacing its own; mappings are merged key by key, lists replaced."""
+    merged = dict(base)
+    for key, value in overlay.items():
+        nested = isinstance(value, dict) and isinstance(base.get(key), dict)
+        merged[key] = _merged(base[key], value) if nested else value
+    return merged
+
+
+def _holds(data: Any, loc: tuple[Any, ...]) -> bool:
+    """Whether the nested mapping ``data`` sets the key at ``loc`` (or one above it)."""
+    for part in loc:
+        if not isinstance(data, dict) or part not in data:
+            return False
+        data = data[part]
+    return True
+
+
+def load_params(path: str | Path = "params.yaml") -> Params:
+    """Read params.yaml merged with its preset and validate it; raise ExpmanError with one line naming the file
+    and key on any problem."""
+    path = Path(path)
+    if path.is_dir():
+        raise ExpmanError(f"{path}: a folder, not a params file")
+    if not path.is_file():
+        raise ExpmanError(f"{path}: params file not found")
+    data = _read_mapping(path, "stage sections")
+    overlay: dict[str, Any] = {}
+    preset_path = path
+    if "preset" in data:  # absent: params.yaml alone
+        preset = data["preset"]
+        if not (isinstance(preset, str) and re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", preset)):
+            raise ExpmanError(f"{path}: preset: expected the name of a file in {PRESETS}/ (got {preset!r})")
+        preset_path = path.parent / PRESETS / f"{preset}.yaml"
+        if not preset_path.is_file():
+            raise ExpmanError(f"{path}: preset: {preset_path} not found")
+        overlay = _read_mapping(preset_path, "stage sections")
+        if "preset" in overlay:
+            raise ExpmanError(f"{preset_path}: preset: a preset cannot select another preset")
     try:
-        return Params.model_validate(data, context={"root": Path.cwd()})
+        return Params.model_validate(_merged(data, overlay), context={"root": Path.cwd()})
     except ValidationError as err:
         errors = err.errors()
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-        raise ExpmanError(f"{path}: {_one_line(errors[0])}{more}") from None
+        culprit = preset_path if _holds(overlay, errors[0]["loc"]) else path
+        raise ExpmanError(f"{culprit}: {_one_line(errors[0])}{more}") from None

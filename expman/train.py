@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from expman.checkpoint import save_speculators
+from expman.conversations import prompt_id
 from expman.drafter import DrafterConfig, Eagle3Drafter
 from expman.errors import ExpmanError
 from expman.extract import load_shard
@@ -323,11 +324,13 @@ def train(
     extract_manifest = manifests["extract"][1]
     contract = extract_manifest["contract"]
     refs = index_samples(extract_manifest)
-    val_refs = [r for r in refs if _hash_share(r.sample_id) < section.val_fraction]
+    # by prompt: the sampled copies of a prompt go where the prompt goes, so validation never sees a trained prompt
+    val_refs = [r for r in refs if _hash_share(prompt_id(r.sample_id)) < section.val_fraction]
     train_refs = [
         r
         for r in refs
-        if _hash_share(r.sample_id) >= section.val_fraction and _hash_share(r.sample_id, "share") < sample_share
+        if _hash_share(prompt_id(r.sample_id)) >= section.val_fraction
+        and _hash_share(prompt_id(r.sample_id), "share") < sample_share
     ]
     if not train_refs:
         raise ExpmanError(f"{extract_dir / 'manifest.json'}: no training samples left after the validation split")

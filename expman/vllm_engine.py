@@ -44,9 +44,6 @@ class VllmGenerator:
             _cpu_defaults()
         dtype = {"auto": "float32" if device == "cpu" else "bfloat16"}.get(params.dtype, params.dtype)
         self.params = params
-        self.sampling = vllm.SamplingParams(
-            temperature=params.temperature, max_tokens=params.max_new_tokens, seed=params.seed
-        )
         self.llm = vllm.LLM(
             model=str(model_dir),
             dtype=dtype,
@@ -59,10 +56,16 @@ class VllmGenerator:
         """Stop the engine core now, not in interpreter teardown (where its logging fails noisily)."""
         _shutdown(self.llm)
 
-    def generate(self, batch: Sequence[Messages]) -> list[GenOutput]:
+    def generate(self, batch: Sequence[Messages], temperature: float, seeds: Sequence[int]) -> list[GenOutput]:
+        import vllm
+
+        sampling = [
+            vllm.SamplingParams(temperature=temperature, max_tokens=self.params.max_new_tokens, seed=seed)
+            for seed in seeds
+        ]
         outputs = self.llm.chat(
             list(batch),
-            self.sampling,
+            sampling,
             chat_template_kwargs=self.params.chat_template_kwargs or None,
             use_tqdm=False,
         )

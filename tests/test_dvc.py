@@ -18,7 +18,7 @@ from tests.conftest import tiny_params, write_prompts
 
 REPO = Path(__file__).resolve().parents[1]
 GRAPH = ("prepare", "generate", "extract", "vocab", "baseline", "train", "evaluate", "benchmark", "register")
-COPIED = ["dvc.yaml", "pyproject.toml", "expman", "stages", ".dvc/config", ".dvcignore", ".gitignore"]
+COPIED = ["dvc.yaml", "pyproject.toml", "expman", "stages", "presets", ".dvc/config", ".dvcignore", ".gitignore"]
 
 
 def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
@@ -51,6 +51,7 @@ def make_dvc_project(folder: Path, params: dict, train: int, heldout: int) -> Pa
         {"path": "data/prompts/train.jsonl", "split": "train"},
         {"path": "data/prompts/heldout.jsonl", "split": "heldout"},
     ]
+    params = {"preset": "default", **params}  # dvc.yaml reads each stage's section of presets/<preset>.yaml too
     (folder / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     _run(["git", "init", "-q"], folder)
     _run(["git", "add", "-A"], folder)
@@ -77,12 +78,17 @@ def check_graph(project: Path, new_vocab_size: int) -> None:
     metrics = json.loads((project / "data/vocab/metrics.json").read_text())
     assert metrics["draft_vocab_size"] == new_vocab_size
 
+    tuned = _run([*dvc, "exp", "run", "-S", "presets/default.yaml:+train.lr=0.002"], project)
+    downstream = GRAPH[GRAPH.index("train") :]  # a preset's section reruns its stage and what follows, only
+    for stage in GRAPH:
+        assert (f"Running stage '{stage}'" in tuned.stdout) == (stage in downstream), stage
+
     import mlflow
 
     mlflow.set_tracking_uri(f"sqlite:///{project / 'mlflow.db'}")
     runs = mlflow.search_runs(search_all_experiments=True, output_format="list")
     vocab_runs = [r for r in runs if r.data.tags["expman.stage"] == "vocab"]
-    assert len(vocab_runs) == 2 and len(runs) == len(GRAPH) + len(rerun)
+    assert len(vocab_runs) == 2 and len(runs) == len(GRAPH) + len(rerun) + len(downstream)
     assert any(r.data.tags.get("dvc.exp_name") for r in vocab_runs), "dvc exp runs carry their experiment name"
     assert not (project / "mlruns").exists()
 

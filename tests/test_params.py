@@ -111,3 +111,68 @@ def test_cli_check_ok_and_bad(project: Path) -> None:
     assert bad.stderr.strip().splitlines() == [
         "error: bad.yaml: generate.batch_size: Input should be greater than or equal to 1 (got 0)"
     ]
+
+
+def _with_preset(project: Path, name: str, overlay: dict | str) -> None:
+    data = yaml.safe_load((project / "params.yaml").read_text())
+    data["preset"] = name
+    (project / "params.yaml").write_text(yaml.safe_dump(data))
+    (project / "presets").mkdir(exist_ok=True)
+    text = overlay if isinstance(overlay, str) else yaml.safe_dump(overlay)
+    (project / "presets" / f"{name}.yaml").write_text(text)
+
+
+def test_preset_is_merged_over_params_key_by_key(project: Path) -> None:
+    _with_preset(project, "quick", {"train": {"lr": 1e-3}, "baseline": {"train": {"epochs": 3}}, "evaluate": {}})
+    params = load_params("params.yaml")
+    assert params.preset == "quick"
+    assert params.train.lr == 1e-3
+    assert params.train.epochs == 2  # untouched keys of a section keep params.yaml's value
+    assert params.baseline.train.epochs == 3
+    assert params.baseline.train.max_tokens == 160  # nested sections merge too
+
+
+@pytest.mark.parametrize(
+    ("name", "overlay", "expected"),
+    [
+        ("quick", {"train": {"lr": -1}}, r"presets/quick\.yaml: train\.lr:"),  # the preset named as the culprit
+        ("quick", {"train": {"lrr": 1}}, r"presets/quick\.yaml: train\.lrr: unknown key"),
+        ("quick", {"preset": "other"}, r"presets/quick\.yaml: preset: a preset cannot select another preset"),
+        ("quick", "train: [unclosed\n", r"presets/quick\.yaml: not valid YAML at line \d"),
+        ("quick", "- a\n", r"presets/quick\.yaml: expected a mapping"),
+        ("../etc", {}, r"params\.yaml: preset: expected the name of a file in presets/"),
+    ],
+)
+def test_bad_preset_names_the_file_and_key(project: Path, name: str, overlay: dict | str, expected: str) -> None:
+    if name.startswith(".."):
+        data = yaml.safe_load((project / "params.yaml").read_text()) | {"preset": name}
+        (project / "params.yaml").write_text(yaml.safe_dump(data))
+    else:
+        _with_preset(project, name, overlay)
+    with pytest.raises(ExpmanError, match=expected) as caught:
+        load_params("params.yaml")
+    assert "\n" not in str(caught.value)
+
+
+def test_missing_preset_file(project: Path) -> None:
+    data = yaml.safe_load((project / "params.yaml").read_text()) | {"preset": "fast"}
+    (project / "params.yaml").write_text(yaml.safe_dump(data))
+    with pytest.raises(ExpmanError, match=r"params\.yaml: preset: presets/fast\.yaml not found"):
+        load_params("params.yaml")
+
+
+@pytest.mark.parametrize("preset", ["default", "quality"])
+def test_shipped_presets_validate_and_list_every_stage_section(
+    preset: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """dvc.yaml makes each stage track its own section of the selected preset, so every preset must have them."""
+    stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+    assert set(yaml.safe_load((REPO / "presets" / f"{preset}.yaml").read_text())) == set(stages)
+    data = yaml.safe_load((REPO / "params.yaml").read_text()) | {"preset": preset}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(data))
+    (tmp_path / "presets").symlink_to(REPO / "presets")
+    monkeypatch.chdir(REPO)  # the shipped params name files of the project
+    params = load_params(tmp_path / "params.yaml")
+    assert (params.train.norm_before_residual, params.generate.sampled_responses) == (
+        (True, 1) if preset == "quality" else (False, 0)
+    )

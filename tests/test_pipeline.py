@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from expman import extract as extract_module
 from expman import paths
+from expman.conversations import prompt_id
 from expman.errors import ExpmanError
 from expman.extract import extract, load_shard
 from expman.generate import generate, read_responses
@@ -218,3 +219,28 @@ def test_unloadable_verifier_is_one_line_and_writes_nothing(project: Path, damag
         prepare(load_params("params.yaml"), paths.VERIFIER)
     assert "\n" not in str(caught.value)
     assert not (project / paths.VERIFIER).exists() and not (project / "mlflow.db").exists()
+
+
+def test_sampled_responses_add_seeded_copies_of_train_prompts(project: Path) -> None:
+    text = (project / "params.yaml").read_text().replace("generate:", "generate:\n  sampled_responses: 2")
+    (project / "params.yaml").write_text(text)
+    run_until("generate")
+    records = {r["id"]: r for r in read_responses(project / paths.GENERATED, "train")}
+    originals = [i for i in records if "~" not in i]
+    assert len(originals) == 10
+    assert sorted(records) == sorted([*originals, *(f"{i}~s{k}" for i in originals for k in (1, 2))])
+    assert {prompt_id(i) for i in records} == set(originals)
+    assert len(read_responses(project / paths.GENERATED, "heldout")) == 4  # held-out prompts get no copies
+    for original in originals:
+        copies = [records[f"{original}~s{k}"] for k in (1, 2)]
+        assert all(c["messages"][:-1] == records[original]["messages"][:-1] for c in copies)  # same prompt
+
+    def responses(record_id: str) -> list[int]:
+        return records[record_id]["input_ids"][records[record_id]["prompt_tokens"] :]
+
+    assert any(responses(f"{o}~s1") != responses(o) for o in originals)  # sampled, not greedy
+    assert any(responses(f"{o}~s1") != responses(f"{o}~s2") for o in originals)  # each copy its own draw
+    first = {p.name: p.read_bytes() for p in (project / paths.GENERATED / "train").glob("*.jsonl")}
+    shutil.rmtree(project / paths.GENERATED)
+    run_until("generate")
+    assert {p.name: p.read_bytes() for p in (project / paths.GENERATED / "train").glob("*.jsonl")} == first

@@ -38,7 +38,8 @@ def test_dvc_outputs_are_the_library_paths() -> None:
     assert outs["train"] == [str(paths.DRAFTER)]
     assert stages["train"]["metrics"] == [{str(paths.TRAIN_METRICS): {"cache": False}}]
     for stage, spec in stages.items():
-        assert spec["params"] == [stage], "each stage declares only its own section"
+        preset = {"presets/${preset}.yaml": [stage]}
+        assert spec["params"] == [stage, preset], "each stage declares only its own section (and its preset's)"
         assert f"stages/{stage}.py" in spec["deps"]
 
 

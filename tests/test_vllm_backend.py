@@ -24,6 +24,7 @@ def test_vllm_and_hf_backends_agree_on_smollm2(tmp_path: Path, monkeypatch: pyte
     (tmp_path / "prompts").mkdir()
     write_prompts(tmp_path / "prompts", "train", 6)
     params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params.pop("preset")  # params.yaml alone: this folder has no presets/
     params["generate"].update(datasets=[{"path": "prompts/train.jsonl"}], max_new_tokens=48)
     outputs = {}
     for backend in ("hf", "vllm"):
