@@ -96,3 +96,30 @@ def test_capture_on_cuda_matches_cpu(tiny_verifier_source: Path) -> None:
                     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
                 else:
                     assert torch.nn.functional.cosine_similarity(got, want, dim=-1).min() > 0.99
+
+
+@pytest.mark.gpu
+def test_pinned_shard_path_on_cuda_equals_cpu(tiny_verifier_source: Path) -> None:
+    """extract_shard on CUDA (asynchronous copies into pinned host memory, event-ordered) writes exactly the rows the
+    synchronous CPU path writes, for samples of different lengths in several batches."""
+    from expman.extract import extract_shard
+    from expman.params import ExtractParams
+
+    generator = torch.Generator().manual_seed(2)
+    samples = [
+        {"id": f"s{k}", "ids": torch.randint(5, 100, (n,), generator=generator).tolist(), "prompt_tokens": 2}
+        for k, n in enumerate([40, 33, 33, 20, 7])
+    ]
+    section = ExtractParams(batch_tokens=80)  # several batches, padded rows
+    shards = {}
+    for device in ("cpu", "cuda"):
+        model = AutoModelForCausalLM.from_pretrained(tiny_verifier_source, dtype=torch.float32).to(device).eval()
+        capture = CaptureHooks(model, default_aux_layers(model.config.num_hidden_layers), "pre_norm")
+        tensors, copied = extract_shard(capture, samples, section, device)
+        assert (copied is None) == (device == "cpu")
+        if copied is not None:
+            assert tensors["aux_hidden_states"].is_pinned()
+            copied.synchronize()
+        shards[device] = tensors
+    for name, want in shards["cpu"].items():
+        torch.testing.assert_close(shards["cuda"][name].float(), want.float(), rtol=1e-2, atol=1e-2, msg=name)

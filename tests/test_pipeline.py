@@ -244,3 +244,20 @@ def test_sampled_responses_add_seeded_copies_of_train_prompts(project: Path) -> 
     shutil.rmtree(project / paths.GENERATED)
     run_until("generate")
     assert {p.name: p.read_bytes() for p in (project / paths.GENERATED / "train").glob("*.jsonl")} == first
+
+
+def test_a_failed_shard_write_fails_the_stage_and_leaves_no_manifest(
+    project: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Writes run in background threads: their errors must still reach the stage, not vanish with the thread."""
+    run_until("generate")
+    import safetensors.torch
+
+    def disk_full(*_args, **_kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
+    with pytest.raises(OSError, match="No space left on device"):
+        extract(load_params("params.yaml"), paths.VERIFIER, paths.GENERATED, paths.EXTRACT)
+    assert not (project / paths.EXTRACT / "manifest.json").exists()
+    assert not list((project / "data/extract/shards").glob("*.done.json"))

@@ -1,0 +1,247 @@
+"""Drafter quality of the quality preset, per prompt category and k, with the peer trained side by side.
+
+Run from the project root (a git + DVC checkout with the engine extra and the peer's packages installed):
+
+  python benchmarks/quality.py --peer ../shared/bench/peer_quality --out benchmarks/results/quality_cpu.json
+
+Steps, each kept under ``--work`` and skipped when already done there (a killed run resumes):
+  1. ``dvc exp run -S preset=quality`` (or ``--preset``): the whole graph; candidate (finetuned from the baseline)
+     and baseline in the reference evaluator at evaluate.ks and in vLLM at benchmark.ks.
+  2. scratch: the preset's train section from scratch (``finetune_from: null``) on the same features, then the
+     reference evaluator at evaluate.ks and vLLM at benchmark.ks with it as the only drafter.
+  3. peer: ../shared/bench/peer_quality trains speculators' own Eagle3DraftModel and loss on the same train
+     responses (converted to its format), with the same aux layers, draft vocab size and TTT steps, for the same
+     training wall time as the scratch drafter; then vLLM CPU on the same held-out prompts at k = 1..4, with the
+     same number of new tokens.
+Every expman step is an MLflow run in the project's store.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+from reporting import cpu_name, write_report
+
+from expman import paths
+from expman.evaluate import evaluate, select_prompts
+from expman.generate import read_responses
+from expman.params import Params, load_params
+from expman.provenance import package_versions, read_manifest
+
+
+def _step(done: Path, run: Any) -> dict[str, Any]:
+    """Run ``run`` unless ``done`` (its facts JSON) exists; time it and keep its facts there."""
+    if done.is_file():
+        return json.loads(done.read_text())
+    started = time.perf_counter()
+    facts = run() or {}
+    facts["seconds"] = time.perf_counter() - started
+    done.parent.mkdir(parents=True, exist_ok=True)
+    done.write_text(json.dumps(facts, indent=2))
+    return facts
+
+
+def _repro(preset: str) -> dict[str, Any]:
+    subprocess.run([sys.executable, "-m", "dvc", "exp", "run", "-S", f"preset={preset}"], check=True)
+    return {"command": f"dvc exp run -S preset={preset}"}
+
+
+def _scratch(params: Params, folder: Path) -> dict[str, Any]:
+    """Train from scratch into ``folder``, then evaluate and benchmark it as the only drafter arm."""
+    from expman.benchmark import benchmark
+    from expman.train import train
+
+    section = params.train.model_copy(update={"finetune_from": None})
+    started = time.perf_counter()
+    train(
+        section,
+        paths.VERIFIER,
+        paths.EXTRACT,
+        paths.VOCAB,
+        folder / "drafter",
+        folder / ".train-state",
+        folder / "train.json",
+    )
+    train_s = time.perf_counter() - started
+    alone = params.model_copy(update={"evaluate": params.evaluate.model_copy(update={"baseline": None})})
+    evaluate(alone, paths.VERIFIER, paths.GENERATED, folder / "drafter", folder / "evaluate", folder / "evaluate.json")
+    benchmark(
+        alone, paths.VERIFIER, paths.GENERATED, folder / "evaluate", folder / "benchmark", folder / "benchmark.json"
+    )
+    return {"train_s": train_s}
+
+
+def _peer(params: Params, peer: Path, folder: Path, budget_s: float) -> dict[str, Any]:
+    """The peer pipeline on expman's own train responses and held-out prompts."""
+    folder.mkdir(parents=True, exist_ok=True)
+    contract = read_manifest(paths.EXTRACT / "manifest.json", "extract")["contract"]
+    vocab_size = read_manifest(paths.VOCAB / "manifest.json", "vocab")["draft_vocab_size"]
+    layers = ",".join(str(i) for i in contract["aux_layers"])
+    with open(folder / "train_responses.jsonl", "w") as handle:
+        for r in read_responses(paths.GENERATED, "train"):
+            user = [m["content"] for m in r["messages"] if m["role"] == "user"][-1]
+            cut = r["prompt_tokens"]
+            row = {
+                "id": r["id"],
+                "prompt": user,
+                "prompt_ids": r["input_ids"][:cut],
+                "response_ids": r["input_ids"][cut:],
+            }
+            handle.write(json.dumps(row) + "\n")
+    heldout = read_responses(paths.GENERATED, params.evaluate.split)
+    for name, records in (("heldout_all", heldout), ("heldout", select_prompts(heldout, params.evaluate.max_prompts))):
+        with open(folder / f"{name}.jsonl", "w") as handle:
+            for r in records:
+                user = [m["content"] for m in r["messages"] if m["role"] == "user"][-1]
+                handle.write(json.dumps({"id": r["id"], "category": r["category"], "prompt": user}) + "\n")
+    verifier = str(paths.VERIFIER)
+
+    def script(name: str, *args: str, log: str) -> None:
+        with open(folder / log, "w") as out:
+            subprocess.run([sys.executable, str(peer / name), *args], check=True, stdout=out, stderr=subprocess.STDOUT)
+
+    started = time.perf_counter()
+    script(
+        "extract_features.py",
+        verifier,
+        str(folder / "train_responses.jsonl"),
+        str(folder / "feats"),
+        "--exclude",
+        str(folder / "heldout_all.jsonl"),
+        "--layers",
+        layers,
+        "--draft-vocab",
+        str(vocab_size),
+        log="extract.log",
+    )
+    extract_s = time.perf_counter() - started
+    started = time.perf_counter()
+    script(
+        "train_drafter.py",
+        verifier,
+        str(folder / "feats"),
+        str(folder / "drafter"),
+        "--budget-s",
+        f"{budget_s:.0f}",
+        "--max-len",
+        str(params.train.max_tokens),
+        "--layers",
+        layers,
+        "--draft-vocab",
+        str(vocab_size),
+        "--ttt",
+        str(params.train.ttt_steps),
+        log="train.log",
+    )
+    train_s = time.perf_counter() - started
+    arms = ",".join(["nospec", *(f"k{k}" for k in params.evaluate.ks)])
+    script(
+        "eval_vllm.py",
+        verifier,
+        str(folder / "heldout.jsonl"),
+        str(folder / "drafter"),
+        str(folder / "eval.json"),
+        "--arms",
+        arms,
+        "--max-tokens",
+        str(params.evaluate.max_new_tokens),
+        log="eval.log",
+    )
+    return {"extract_s": extract_s, "train_s": train_s, "budget_s": budget_s}
+
+
+def _reference(evaluation: dict, arm: str) -> dict[str, Any]:
+    summary = evaluation["summary"]
+    keep = ("tau", "per_position", "speedup", "greedy_mismatches")
+    return {
+        "overall": {k: {x: v[x] for x in keep} for k, v in summary[arm].items()},
+        "by_category": {c: {k: v["tau"] for k, v in block[arm].items()} for c, block in summary["by_category"].items()},
+    }
+
+
+def _engine(bench: dict, arm: str) -> dict[str, Any]:
+    return {
+        f"k{k}": {x: v["engine"][x] for x in ("tau", "per_position", "speedup")}
+        for k, v in bench["arms"][arm]["k"].items()
+    }
+
+
+@click.command()
+@click.option("--peer", type=click.Path(exists=True, file_okay=False, path_type=Path), required=True)
+@click.option("--preset", default="quality", show_default=True)
+@click.option(
+    "--work", type=click.Path(file_okay=False, path_type=Path), default=Path("data/quality"), show_default=True
+)
+@click.option("--out", type=click.Path(path_type=Path), required=True)
+def main(peer: Path, preset: str, work: Path, out: Path) -> None:
+    repro = _step(work / "repro.json", lambda: _repro(preset))
+    params = load_params("params.yaml")
+    if params.preset != preset:
+        raise click.ClickException(f"params.yaml: preset is {params.preset!r} after the run, not {preset!r}")
+    scratch = _step(work / "scratch.json", lambda: _scratch(params, work / "scratch"))
+    theirs = _step(work / "peer.json", lambda: _peer(params, peer, work / "peer", scratch["train_s"]))
+
+    evaluation = json.loads((paths.EVALUATE / "evaluation.json").read_text())
+    bench = json.loads((paths.BENCHMARK / "benchmark.json").read_text())
+    scratch_eval = json.loads((work / "scratch/evaluate/evaluation.json").read_text())
+    scratch_bench = json.loads((work / "scratch/benchmark/benchmark.json").read_text())
+    peer_eval = json.loads((work / "peer/eval.json").read_text())
+    reference = {arm: _reference(evaluation, arm) for arm in ("candidate", "baseline")}
+    reference["scratch"] = _reference(scratch_eval, "candidate")
+    engine = {arm: _engine(bench, arm) for arm in ("candidate", "baseline")}
+    engine["scratch"] = _engine(scratch_bench, "candidate")
+    engine["peer"] = {
+        arm: {
+            "tau": r["tau"],
+            "per_position": r["per_pos_rate"],
+            "speedup": r["tok_per_s"] / peer_eval["nospec"]["tok_per_s"],
+        }
+        for arm, r in peer_eval.items()
+        if arm != "nospec" and "tau" in r
+    }
+    extract = read_manifest(paths.EXTRACT / "manifest.json", "extract")
+    tau3 = {arm: reference[arm]["overall"]["k3"]["tau"] for arm in reference}
+    goals = {
+        "scratch_vs_peer_tau3_minus_1_ratio": (tau3["scratch"] - 1) / (engine["peer"]["k3"]["tau"] - 1),
+        "candidate_tau3": tau3["candidate"],
+        "candidate_minus_baseline_tau3": tau3["candidate"] - tau3["baseline"],
+        "candidate_reference_speedup_best": max(v["speedup"] for v in reference["candidate"]["overall"].values()),
+        "candidate_vllm_over_reference_tau3": engine["candidate"]["k3"]["tau"] / tau3["candidate"]
+        if "k3" in engine["candidate"]
+        else None,
+    }
+    write_report(
+        {
+            "benchmark": "quality",
+            "command": "python " + " ".join(sys.argv),
+            "device": cpu_name(),
+            "cpu_threads": os.cpu_count(),
+            "preset": preset,
+            "params": params.model_dump(mode="json", by_alias=True),
+            "data": {**extract["totals"], "train_responses": len(read_responses(paths.GENERATED, "train"))},
+            "seconds": {
+                "repro": repro["seconds"],
+                "scratch": scratch["seconds"],
+                "scratch_train": scratch["train_s"],
+                "peer_extract": theirs["extract_s"],
+                "peer_train": theirs["train_s"],
+                "peer_train_budget": theirs["budget_s"],
+            },
+            "reference": reference,
+            "vllm": engine,
+            "goals": goals,
+            "packages": package_versions(),
+        },
+        out,
+    )
+
+
+if __name__ == "__main__":
+    main()
