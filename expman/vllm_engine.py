@@ -8,6 +8,7 @@ spawned process: callers need an ``if __name__ == "__main__":`` guard (the stage
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Sequence
@@ -44,12 +45,23 @@ class VllmGenerator:
             _cpu_defaults()
         dtype = {"auto": "float32" if device == "cpu" else "bfloat16"}.get(params.dtype, params.dtype)
         self.params = params
+        whole_prefills = {}
+        if device == "cpu" and (params.temperature > 0 or params.sampled_responses > 0):
+            # vLLM CPU 0.32 crashes ("CPU Generator does not use offset") when it rewinds a seeded request's
+            # generator after a partial prefill; with chunked prefill off every prefill is whole
+            length = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings", 8192)
+            whole_prefills = {
+                "enable_chunked_prefill": False,
+                "max_model_len": length,
+                "max_num_batched_tokens": length,
+            }
         self.llm = vllm.LLM(
             model=str(model_dir),
             dtype=dtype,
             seed=params.seed,
             tensor_parallel_size=params.tensor_parallel_size,
             trust_remote_code=load_verifier_manifest(model_dir)["trust_remote_code"],
+            **whole_prefills,
         )
 
     def close(self) -> None:
@@ -60,7 +72,9 @@ class VllmGenerator:
         import vllm
 
         sampling = [
-            vllm.SamplingParams(temperature=temperature, max_tokens=self.params.max_new_tokens, seed=seed)
+            vllm.SamplingParams(
+                temperature=temperature, max_tokens=self.params.max_new_tokens, seed=seed if temperature else None
+            )
             for seed in seeds
         ]
         outputs = self.llm.chat(
