@@ -40,3 +40,29 @@ def test_vllm_and_hf_backends_agree_on_smollm2(tmp_path: Path, monkeypatch: pyte
         vllm = outputs["vllm"][record_id]
         assert vllm["prompt_tokens"] == hf["prompt_tokens"], record_id  # the same chat template ids
         assert vllm["input_ids"] == hf["input_ids"], json.dumps([record_id, hf["messages"][-1]])
+
+
+@pytest.mark.slow
+def test_vllm_sampled_responses_are_seeded_per_conversation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sampled copies through vLLM CPU: each differs from the greedy response, and a second run (another engine)
+    samples exactly the same tokens, because every request carries its own seed."""
+    pytest.importorskip("vllm")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "prompts").mkdir()
+    write_prompts(tmp_path / "prompts", "train", 6)
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params.pop("preset")  # params.yaml alone: this folder has no presets/
+    params["generate"].update(
+        datasets=[{"path": "prompts/train.jsonl"}], max_new_tokens=32, backend="vllm", sampled_responses=1
+    )
+    Path("params.yaml").write_text(yaml.safe_dump(params))
+    loaded = load_params("params.yaml")
+    prepare(loaded, paths.VERIFIER)
+    runs = []
+    for name in ("first", "second"):
+        generate(loaded, paths.VERIFIER, paths.GENERATED / name)
+        runs.append({r["id"]: r["input_ids"] for r in read_responses(paths.GENERATED / name, "train")})
+    assert runs[0] == runs[1]
+    originals = [i for i in runs[0] if "~" not in i]
+    assert len(runs[0]) == 2 * len(originals) == 12
+    assert sum(runs[0][i] != runs[0][f"{i}~s1"] for i in originals) >= 4
