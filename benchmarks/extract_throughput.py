@@ -2,7 +2,9 @@
 and against the disk it writes to.
 
 Arms, all over the same token batches:
-  bare     the decoder stack alone (no hooks, nothing kept): the compute ceiling
+  bare     the decoder stack alone (no hooks, nothing kept): the compute ceiling the issue names
+  greedy   the decoder stack and the lm_head's argmax in chunks of tokens (no hooks, nothing kept): the compute
+           ceiling of what extract computes, since it also keeps the verifier's top-1 for training
   capture  expman.extract.extract_shard for every shard: hooks and device-to-host copies, nothing written
   expman   expman.extract.write_shards, the stage's own loop: capture, then safetensors shards written, fsynced
            and hashed in background threads while the next shard computes
@@ -35,7 +37,7 @@ import click
 import torch
 from reporting import SHAPES, cpu_name, write_report
 
-from expman.extract import CaptureHooks, capture_contract, extract_shard, write_shards
+from expman.extract import LOGIT_CHUNK_TOKENS, CaptureHooks, capture_contract, extract_shard, write_shards
 from expman.params import ExtractParams
 from expman.provenance import package_versions
 from expman.shards import ShardSet
@@ -145,6 +147,14 @@ def main(
                 chunk = ids[start : start + rows].to(device)
                 base(input_ids=chunk, attention_mask=torch.ones_like(chunk), use_cache=False)
 
+    def greedy() -> None:
+        with torch.inference_mode():
+            for start in range(0, samples, rows):
+                chunk = ids[start : start + rows].to(device)
+                out = base(input_ids=chunk, attention_mask=torch.ones_like(chunk), use_cache=False)
+                flat = out.last_hidden_state.flatten(0, 1)
+                [model.lm_head(part).argmax(-1) for part in flat.split(LOGIT_CHUNK_TOKENS)]
+
     capture = CaptureHooks(model, contract["aux_layers"], section.final_state)
 
     def capture_only() -> None:
@@ -161,6 +171,7 @@ def main(
     capture_only()
     seconds = {
         "bare": _timed(bare, repeats),
+        "greedy": _timed(greedy, repeats),
         "capture": _timed(capture_only, repeats),
         "expman": _timed(expman, repeats, setup=fresh_folder),
     }
@@ -200,6 +211,7 @@ def main(
         "ceiling_tok_per_s": ceiling,
         "expman_vs_ceiling": arms["expman"]["tok_per_s"] / ceiling,
         "expman_vs_bare": arms["expman"]["tok_per_s"] / arms["bare"]["tok_per_s"],
+        "expman_vs_greedy": arms["expman"]["tok_per_s"] / arms["greedy"]["tok_per_s"],
         "expman_vs_naive": arms["expman"]["tok_per_s"] / arms["naive"]["tok_per_s"],
         "bytes_per_token": bytes_per_token,
         "hidden_bytes_per_token": hidden_bytes,

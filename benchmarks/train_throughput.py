@@ -14,8 +14,9 @@ documents of 2048, draft vocab 32000, bf16 autocast), each followed in the same 
       --out benchmarks/results/train_gpu_h200.json
 
 MFU uses the FLOP count the peer harness states (matmuls of q/k/v/o, MLP and both lm_heads, causal attention
-within documents; the verifier's full-vocab top-1 that expman's loss also computes is not counted), against
-the 790 TFLOP/s bf16 matmul rate measured on the H200.
+within documents), against the 790 TFLOP/s bf16 matmul rate measured on the H200. Like the peer, the step
+computes the verifier's head over the draft vocab only; the verifier's full-vocab top-1 comes with the features
+(extract computes it once), so the random batches carry one.
 """
 
 from __future__ import annotations
@@ -77,6 +78,9 @@ def random_batch(shape: dict, tokens: int, document: int, generator: torch.Gener
                 "final_hidden_states": torch.randn(
                     document, hidden, generator=generator, device=device, dtype=torch.bfloat16
                 ),
+                "verifier_top1": torch.randint(
+                    0, vocab, (document,), generator=generator, device=device, dtype=torch.int32
+                ),
             }
         )
     return Packed.of(documents).to(device)
@@ -85,8 +89,9 @@ def random_batch(shape: dict, tokens: int, document: int, generator: torch.Gener
 def random_drafter(
     shape: dict, section: TrainParams, draft_vocab: int, device: str
 ) -> tuple[Eagle3Drafter, VerifierHead]:
-    """A drafter for a verifier of ``shape`` and that verifier's head, random but the same in every process (seed 0),
-    set up as the train stage sets them up (dtype, compiled layers on CUDA)."""
+    """A drafter for a verifier of ``shape`` and that verifier's head (the draft vocab's rows, as the train stage
+    loads it), random but the same in every process (seed 0), set up as the train stage sets them up (dtype,
+    compiled layers on CUDA)."""
     torch.manual_seed(0)
     generator = torch.Generator(device=device).manual_seed(0)
     hidden, vocab = shape["hidden_size"], shape["vocab_size"]
@@ -94,7 +99,7 @@ def random_drafter(
         torch.randn(vocab, hidden, generator=generator, device=device) * 0.02,
         torch.ones(hidden, device=device),
         shape["rms_norm_eps"],
-        torch.randn(vocab, hidden, generator=generator, device=device) * 0.02,
+        torch.randn(draft_vocab, hidden, generator=generator, device=device) * 0.02,
     ).to(device, torch.bfloat16 if autocasts(section, device) else None)
     config = DrafterConfig.from_verifier(shape, draft_vocab, default_aux_layers(shape["num_hidden_layers"]))
     drafter = Eagle3Drafter(config)
@@ -102,6 +107,7 @@ def random_drafter(
         chosen = torch.randperm(vocab)[:draft_vocab].sort().values
         drafter.t2d[chosen] = True
         drafter.d2t.copy_(chosen - torch.arange(draft_vocab))
+        drafter.lm_head.weight.copy_(head.lm_head)
     drafter = drafter.to(device)
     if compiles(section, device):
         drafter.compile_for_training()

@@ -42,7 +42,7 @@ __all__ = [
 NVIDIA_SMI = ("nvidia-smi", "--query-compute-apps=pid,process_name,used_memory", "--format=csv,noheader,nounits")
 STAGE_SCRIPT = re.compile(r"(?:^|/)stages/([A-Za-z_]+)\.py$")  # how dvc.yaml runs a stage: python stages/<name>.py
 STATE_BYTES = 2  # extract stores the aux and final states in bf16 whatever the compute dtype
-ID_AND_MASK_BYTES = 4 + 1  # input_ids int32 + loss_mask bool, per token
+TOKEN_BYTES = 4 + 1 + 4  # input_ids int32 + loss_mask bool + verifier_top1 int32, per token
 TIGHT = 0.8  # warn when the extract would take more than this share of the free space
 LIBRARIES = ("torch", "transformers", "safetensors", "mlflow", "dvc")
 EXTRACT_MANIFEST = paths.EXTRACT / "manifest.json"
@@ -228,7 +228,7 @@ def extract_estimate(params: Params) -> Estimate:
     hidden, hidden_from = _hidden_size(params)
     tokens, tokens_from = _token_count(params)
     basis = f"hidden size {hidden} from {hidden_from}; tokens from {tokens_from}"
-    return Estimate(tokens, 4 * hidden * STATE_BYTES + ID_AND_MASK_BYTES, basis)
+    return Estimate(tokens, 4 * hidden * STATE_BYTES + TOKEN_BYTES, basis)
 
 
 def check_disk(params: Params) -> list[Finding]:

@@ -1,10 +1,14 @@
-"""extract: capture the verifier's aux hidden states and final hidden state per token into bf16 safetensors shards.
+"""extract: capture the verifier's aux hidden states, final hidden state and greedy next token per token into
+safetensors shards.
 
 Layer ids follow the HF ``hidden_states`` convention (0 = embeddings, i = output of decoder layer i-1), which
 equals vLLM/speculators aux ids. The final state is the last decoder layer's output before the final norm
 (``pre_norm``, so targets are ``lm_head(norm(h))``) or after it (``post_norm``); the contract records which.
-Only the decoder stack runs (no lm_head). Shards are resumable: after a kill, completed shards are kept and
-the partial one is redone. DVC tracks ``manifest.json`` (per-shard size and sha256), never the shards.
+The verifier's top-1 token is computed here, once, by its own lm_head (in chunks of tokens, never the whole
+[T, vocab] logits): training needs it only to mask positions whose target lies outside the draft vocab, and
+computing it there would repeat a full-vocab matmul at every step of every epoch. Shards are resumable: after a
+kill, completed shards are kept and the partial one is redone. DVC tracks ``manifest.json`` (per-shard size and
+sha256), never the shards.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ __all__ = [
     "extract",
     "extract_shard",
     "load_shard",
+    "save_streamed",
     "write_shards",
 ]
 
@@ -39,6 +44,7 @@ TENSORS = {
     "loss_mask": "[T] bool, true on assistant (generated) tokens",
     "aux_hidden_states": "[T, 3*H] bfloat16, the aux layers concatenated in aux_layers order",
     "final_hidden_states": "[T, H] bfloat16, the final_state of the last decoder layer",
+    "verifier_top1": "[T] int32, the verifier's greedy next token at each position (argmax of its logits)",
     "sample_offsets": "[n+1] int64, sample k spans rows offsets[k]:offsets[k+1]",
 }
 
@@ -69,11 +75,16 @@ def capture_contract(verifier: dict[str, Any], section: ExtractParams) -> dict[s
     }
 
 
+LOGIT_CHUNK_TOKENS = 2048  # full-vocab logits exist for this many tokens at a time (128K-vocab bf16: 512 MiB)
+
+
 class CaptureHooks:
-    """Forward hooks that keep the aux layer outputs and the final (pre- or post-norm) state of one forward."""
+    """Forward hooks that keep the aux layer outputs and the final (pre- or post-norm) state of one forward, and
+    the verifier's top-1 from its own lm_head."""
 
     def __init__(self, model: Any, aux_layers: list[int], final_state: str):
         self.base = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
         layers = self.base.layers
         self.aux_layers = aux_layers
         self.final_state = final_state
@@ -89,14 +100,18 @@ class CaptureHooks:
 
         return hook
 
-    def __call__(self, input_ids: Any, attention_mask: Any) -> tuple[Any, Any]:
-        """Run the decoder stack; return (aux [B, T, 3H], final [B, T, H])."""
+    def __call__(self, input_ids: Any, attention_mask: Any) -> tuple[Any, Any, Any]:
+        """Run the decoder stack and the lm_head; return (aux [B, T, 3H], final [B, T, H], top-1 [B, T] int32)."""
         import torch
 
         self.states.clear()
         out = self.base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        final = self.states["final"] if self.final_state == "pre_norm" else out.last_hidden_state
-        return torch.cat([self.states[i] for i in self.aux_layers], dim=-1), final
+        normed = out.last_hidden_state
+        final = self.states["final"] if self.final_state == "pre_norm" else normed
+        flat = normed.reshape(-1, normed.shape[-1])
+        top1 = torch.cat([self.lm_head(part).argmax(-1) for part in flat.split(LOGIT_CHUNK_TOKENS)])
+        aux = torch.cat([self.states[i] for i in self.aux_layers], dim=-1)
+        return aux, final, top1.view(normed.shape[:-1]).to(torch.int32)
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -131,6 +146,7 @@ def extract_shard(capture: CaptureHooks, samples: list[dict[str, Any]], section:
         (int(offsets[-1]), len(capture.aux_layers) * hidden), dtype=torch.bfloat16, pin_memory=on_gpu
     )
     final_host = torch.empty((int(offsets[-1]), hidden), dtype=torch.bfloat16, pin_memory=on_gpu)
+    top1_host = torch.empty(int(offsets[-1]), dtype=torch.int32, pin_memory=on_gpu)
     for batch in _batches(lengths, section.batch_tokens):
         width = lengths[batch[0]]
         ids = torch.zeros((len(batch), width), dtype=torch.long)
@@ -139,11 +155,12 @@ def extract_shard(capture: CaptureHooks, samples: list[dict[str, Any]], section:
             ids[r, : lengths[k]] = torch.tensor(samples[k]["ids"])
             mask[r, : lengths[k]] = 1
         with torch.inference_mode():
-            aux, final = capture(ids.to(device), mask.to(device))
+            aux, final, top1 = capture(ids.to(device), mask.to(device))
             for r, k in enumerate(batch):  # rows are padded at the end: each sample is a prefix of its row
                 rows = slice(int(offsets[k]), int(offsets[k + 1]))
                 aux_host[rows].copy_(aux[r, : lengths[k]], non_blocking=on_gpu)
                 final_host[rows].copy_(final[r, : lengths[k]], non_blocking=on_gpu)
+                top1_host[rows].copy_(top1[r, : lengths[k]], non_blocking=on_gpu)
     copied = None
     if on_gpu:
         copied = torch.cuda.Event()
@@ -156,9 +173,48 @@ def extract_shard(capture: CaptureHooks, samples: list[dict[str, Any]], section:
         "loss_mask": loss_mask,
         "aux_hidden_states": aux_host,
         "final_hidden_states": final_host,
+        "verifier_top1": top1_host,
         "sample_offsets": offsets.to(torch.int64),
     }
     return tensors, copied
+
+
+# the dtypes extract writes, in the order safetensors lays tensors out (its dtype order, widest kinds first)
+SAFETENSORS_DTYPES = {"int64": "I64", "float32": "F32", "int32": "I32", "bfloat16": "BF16", "bool": "BOOL"}
+
+
+def save_streamed(tensors: dict[str, Any], path: Path, metadata: dict[str, str]) -> str:
+    """Write ``tensors`` (CPU, contiguous) as a safetensors file straight from their memory, hashing the bytes as
+    they go out; return the file's sha256.
+
+    Why not ``safetensors.torch.save_file``: it first copies every tensor into a Python bytes object with the GIL
+    held (2 GiB per shard of an 8B verifier) and the file then has to be read back to be hashed, so the thread
+    launching the verifier's kernels stalls and the GPU idles. Here each write and hash call gets a view of the
+    tensor's memory and releases the GIL. The layout is the format's own (8-byte header length, JSON header padded
+    to 8 bytes, tensors back to back, in its order): the file is byte for byte what ``save_file`` writes."""
+    import hashlib
+
+    import torch
+
+    header: dict[str, Any] = {"__metadata__": metadata}
+    views, offset = [], 0
+    order = list(SAFETENSORS_DTYPES)
+    kinds = {name: str(tensor.dtype).removeprefix("torch.") for name, tensor in tensors.items()}
+    for name in sorted(tensors, key=lambda name: (order.index(kinds[name]), name)):  # as save_file orders them
+        tensor = tensors[name]
+        view = memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
+        dtype = SAFETENSORS_DTYPES[kinds[name]]
+        header[name] = {"dtype": dtype, "shape": list(tensor.shape), "data_offsets": [offset, offset + view.nbytes]}
+        views.append(view)
+        offset += view.nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    digest = hashlib.sha256()
+    with open(path, "wb") as handle:
+        for block in (len(encoded).to_bytes(8, "little"), encoded, *views):
+            handle.write(block)
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def write_shards(
@@ -173,13 +229,11 @@ def write_shards(
     """Compute and write every planned shard that is not already done; return (entries in plan order, tokens
     computed). ``capture`` is called only when a shard needs computing, so a finished folder loads no model.
 
-    Writing (safetensors file, fsync, sha256 of the bytes on disk) runs in background threads, at most
+    Writing (safetensors file hashed as it streams out, fsync) runs in background threads, at most
     ``SHARD_WRITERS`` shards at a time, while the next shard computes: host memory stays bounded and a GPU
     verifier is held back by the disk only when the disk is the slower of the two. A kill loses only the shards
     in flight; their temp files are removed on the next run."""
     from concurrent.futures import Future, ThreadPoolExecutor
-
-    from safetensors.torch import save_file
 
     chunks = [
         samples[start : start + section.samples_per_shard]
@@ -195,7 +249,7 @@ def write_shards(
         return shards.write(
             name,
             key,
-            lambda tmp: save_file(tensors, str(tmp), metadata=metadata),
+            lambda tmp: save_streamed(tensors, tmp, metadata),
             samples=count,
             tokens=int(tensors["input_ids"].numel()),
             loss_tokens=int(tensors["loss_mask"].sum()),

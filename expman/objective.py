@@ -3,7 +3,8 @@
 Alignment for a document x_0..x_{n-1} with aux states a_t and final states g_t (the verifier's logits at t
 predict x_{t+1}): at TTT step k, position t is fed token x_{t+1+k} and predicts x_{t+2+k}; its target is the
 verifier's distribution at t+1+k restricted to the draft vocab (soft cross-entropy). A position counts only if
-x_{t+2+k} is an assistant token of the same document and the verifier's top-1 there lies in the draft vocab.
+x_{t+2+k} is an assistant token of the same document and the verifier's top-1 there (computed once by extract)
+lies in the draft vocab; so training needs only the draft vocab's rows of the verifier's lm_head.
 Tokens are teacher-forced: at inference a draft is only extended while every earlier draft was right, i.e. equal
 to these tokens. Hidden states are the drafter's own from step k-1, as at inference.
 """
@@ -25,7 +26,8 @@ __all__ = ["Packed", "VerifierHead", "metric_values", "simulated_tau", "ttt_loss
 
 @dataclass(frozen=True)
 class VerifierHead:
-    """The frozen verifier tensors training needs: input embedding, final norm, lm_head."""
+    """The frozen verifier tensors training needs: input embedding, final norm, and the lm_head rows of the draft
+    vocab (all rows when loaded without one)."""
 
     embed: torch.Tensor
     norm_weight: torch.Tensor
@@ -33,8 +35,9 @@ class VerifierHead:
     lm_head: torch.Tensor
 
     @classmethod
-    def load(cls, model_dir: Path) -> VerifierHead:
-        """Read only these tensors from the verifier's safetensors (no full model load)."""
+    def load(cls, model_dir: Path, t2d: torch.Tensor | None = None) -> VerifierHead:
+        """Read only these tensors from the verifier's safetensors (no full model load); with ``t2d`` keep only the
+        draft vocab's lm_head rows (on Kimi-K2 that is 32K of 164K rows, 3.8 GB less fp32 weight on the GPU)."""
         import json
 
         from safetensors import SafetensorError, safe_open
@@ -54,16 +57,19 @@ class VerifierHead:
         for name in wanted:
             if found.get(name) is None:
                 raise ExpmanError(f"{model_dir}: tensor {name} not found in the verifier's safetensors")
-        return cls(
-            found["model.embed_tokens.weight"],
-            found["model.norm.weight"],
-            float(config.get("rms_norm_eps", 1e-6)),
-            found["lm_head.weight"],
-        )
+        lm_head = found["lm_head.weight"]
+        if t2d is not None:
+            if t2d.numel() != lm_head.shape[0]:
+                raise ExpmanError(
+                    f"{model_dir}: lm_head.weight has {lm_head.shape[0]} rows but the vocab's t2d covers {t2d.numel()}"
+                )
+            lm_head = lm_head[t2d]
+        eps = float(config.get("rms_norm_eps", 1e-6))
+        return cls(found["model.embed_tokens.weight"], found["model.norm.weight"], eps, lm_head)
 
     def to(self, device: str, dtype: torch.dtype | None = None) -> VerifierHead:
         """On ``device``; with ``dtype`` the two vocab matrices are stored in it once (bf16 under CUDA autocast,
-        rather than a fresh cast of the whole lm_head at every matmul)."""
+        rather than a fresh cast of the lm_head at every matmul)."""
         return VerifierHead(
             self.embed.to(device, dtype), self.norm_weight.to(device), self.norm_eps, self.lm_head.to(device, dtype)
         )
@@ -74,16 +80,12 @@ class VerifierHead:
         return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.norm_eps) * self.norm_weight
 
     def logits(self, final_pre_norm: torch.Tensor) -> torch.Tensor:
-        """Full-vocab logits lm_head(norm(h)) (computed in fp32)."""
-        return self.normed(final_pre_norm) @ self.lm_head.T
+        """Logits over the rows held, lm_head(norm(h)), in the lm_head's dtype."""
+        return self.normed(final_pre_norm).to(self.lm_head.dtype) @ self.lm_head.T
 
-    def targets(self, final_pre_norm: torch.Tensor, t2d: torch.Tensor, chunk: int = 4096) -> tuple:
-        """(top-1 target id [T], softmax over the draft vocab [T, Vd]) without holding [T, V] logits at once:
-        full-vocab logits exist one chunk of tokens at a time (163,840 × 8,192 fp32 would be 5.4 GB). The matmuls
-        run in the lm_head's dtype."""
-        normed = self.normed(final_pre_norm).to(self.lm_head.dtype)
-        top1 = torch.cat([(part @ self.lm_head.T).argmax(-1) for part in normed.split(chunk)])
-        return top1, torch.softmax((normed @ self.lm_head[t2d].T).float(), dim=-1)
+    def target_probs(self, final_pre_norm: torch.Tensor) -> torch.Tensor:
+        """The verifier's distribution restricted to the rows held (the draft vocab), in fp32 [T, Vd]."""
+        return torch.softmax(self.logits(final_pre_norm).float(), dim=-1)
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,7 @@ class Packed:
 
     aux: torch.Tensor
     final: torch.Tensor
+    top1: torch.Tensor
     input_ids: torch.Tensor
     loss_mask: torch.Tensor
     document_ids: torch.Tensor
@@ -99,12 +102,14 @@ class Packed:
 
     @classmethod
     def of(cls, documents: list[dict[str, torch.Tensor]]) -> Packed:
-        """Pack documents given as dicts of input_ids, loss_mask, aux_hidden_states, final_hidden_states."""
+        """Pack documents given as dicts of input_ids, loss_mask, aux_hidden_states, final_hidden_states,
+        verifier_top1 (the extract shard tensors)."""
         document_ids = torch.cat([torch.full((len(d["input_ids"]),), i) for i, d in enumerate(documents)])
         positions = torch.cat([torch.arange(len(d["input_ids"])) for d in documents])
         return cls(
             aux=torch.cat([d["aux_hidden_states"] for d in documents])[None],
             final=torch.cat([d["final_hidden_states"] for d in documents])[None],
+            top1=torch.cat([d["verifier_top1"] for d in documents]).long()[None],
             input_ids=torch.cat([d["input_ids"] for d in documents]).long()[None],
             loss_mask=torch.cat([d["loss_mask"] for d in documents]).bool()[None],
             document_ids=document_ids[None],
@@ -158,8 +163,8 @@ def ttt_loss(
     them in one transfer), so a training step never waits for the GPU before its backward pass.
     """
     with torch.no_grad():
-        top1, target_probs = head.targets(batch.final[0], drafter.t2d)
-        top1, target_probs = top1[None], target_probs[None]
+        target_probs = head.target_probs(batch.final[0])[None]
+    top1 = batch.top1
     aux = batch.aux.float()
     if noise_std:
         noise = torch.rand(aux.shape, generator=generator, device=generator.device if generator else "cpu")

@@ -41,18 +41,20 @@ def _umask() -> int:
     return mask
 
 
-def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
-    """Call ``write(tmp)`` on a temporary file beside ``path``, fsync it, then rename it into place."""
+def atomic_write(path: Path, write: Callable[[Path], Any]) -> Any:
+    """Call ``write(tmp)`` on a temporary file beside ``path``, fsync it, then rename it into place; return what
+    ``write`` returned."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     tmp = Path(tmp_name)
     try:
-        write(tmp)
+        result = write(tmp)
         with open(tmp, "rb+") as handle:
             os.fsync(handle.fileno())
         tmp.chmod(0o666 & ~_umask())  # mkstemp makes 0600; outputs are shared like any written file
         os.replace(tmp, path)
+        return result
     finally:
         tmp.unlink(missing_ok=True)
 

@@ -42,15 +42,16 @@ class ShardSet:
             return None
         return info
 
-    def write(self, name: str, key: str, write: Callable[[Path], None], **facts: Any) -> dict[str, Any]:
-        """Write one shard atomically, then its sidecar; return the sidecar facts."""
+    def write(self, name: str, key: str, write: Callable[[Path], str | None], **facts: Any) -> dict[str, Any]:
+        """Write one shard atomically, then its sidecar; return the sidecar facts. ``write`` may return the sha256
+        of the bytes it wrote (a writer that hashes as it streams); otherwise the file is read back to hash it."""
         shard = self.folder / name
-        atomic_write(shard, write)
+        digest = atomic_write(shard, write)
         info = {
             "path": name,
             "key": key,
             "bytes": shard.stat().st_size,
-            "sha256": sha256_file(shard),
+            "sha256": digest or sha256_file(shard),
             **facts,
         }
         atomic_write_json(self._sidecar(name), info)

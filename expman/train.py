@@ -75,8 +75,11 @@ def index_samples(manifest: dict[str, Any]) -> list[SampleRef]:
             with safe_open(str(path), "pt") as handle:
                 metadata = json.loads(handle.metadata()["expman"])
                 offsets = handle.get_tensor("sample_offsets").tolist()
+                tensor_names = set(handle.keys())
         except (SafetensorError, KeyError, TypeError, json.JSONDecodeError):
             raise ExpmanError(foreign) from None
+        if "verifier_top1" not in tensor_names:
+            raise ExpmanError(f"{path}: no verifier_top1 tensor (from an older expman); rerun `dvc repro -f extract`")
         if metadata.get("key") != entry["key"]:
             raise ExpmanError(foreign)
         ids = metadata["sample_ids"]
@@ -121,7 +124,7 @@ class ShardCache:
         tensors = self.current[1]
         start = int(tensors["sample_offsets"][ref.index])
         end = min(int(tensors["sample_offsets"][ref.index + 1]), start + max_tokens)
-        names = ("input_ids", "loss_mask", "aux_hidden_states", "final_hidden_states")
+        names = ("input_ids", "loss_mask", "aux_hidden_states", "final_hidden_states", "verifier_top1")
         return {name: tensors[name][start:end] for name in names}
 
 
@@ -213,7 +216,7 @@ def _new_drafter(
         drafter.embed_tokens.weight.copy_(head.embed)
         drafter.d2t.copy_(vocab["d2t"])
         drafter.t2d.copy_(vocab["t2d"])
-        drafter.lm_head.weight.copy_(head.lm_head[vocab["t2d"]])  # start from the verifier's own rows
+        drafter.lm_head.weight.copy_(head.lm_head)  # start from the verifier's own rows of the draft vocab
     return drafter
 
 
@@ -336,8 +339,8 @@ def train(
         raise ExpmanError(f"{extract_dir / 'manifest.json'}: no training samples left after the validation split")
     device = resolve_device(section.device)
     parallel = DataParallel.from_env(device)
-    head = VerifierHead.load(verifier_dir)
     vocab = load_file(str(vocab_dir / "vocab.safetensors"))
+    head = VerifierHead.load(verifier_dir, vocab["t2d"])
     drafter = _new_drafter(verifier_dir, head, contract, vocab, section)
     if section.finetune_from:
         drafter = start_from(drafter, section, head)

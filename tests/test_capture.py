@@ -31,7 +31,7 @@ def test_aux_states_equal_hf_hidden_states(model, aux_layers: list[int]) -> None
     ids, mask = _batch(model.config.vocab_size)
     capture = CaptureHooks(model, aux_layers, "pre_norm")
     with torch.inference_mode():
-        aux, _ = capture(ids, mask)
+        aux, _, _ = capture(ids, mask)
         reference = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
     capture.remove()
     hidden = model.config.hidden_size
@@ -48,7 +48,7 @@ def test_pre_norm_final_state_reproduces_logits(model) -> None:
     ids, mask = _batch(model.config.vocab_size)
     capture = CaptureHooks(model, default_aux_layers(model.config.num_hidden_layers), "pre_norm")
     with torch.inference_mode():
-        _, final = capture(ids, mask)
+        _, final, top1 = capture(ids, mask)
         logits = model(input_ids=ids, attention_mask=mask).logits
         rebuilt = model.lm_head(model.model.norm(final))
         double_normed = model.lm_head(model.model.norm(model.model.norm(final)))
@@ -56,13 +56,16 @@ def test_pre_norm_final_state_reproduces_logits(model) -> None:
     valid = mask.bool()
     torch.testing.assert_close(rebuilt[valid], logits[valid], rtol=0, atol=1e-5)
     assert not torch.allclose(double_normed[valid], logits[valid], atol=1e-3)
+    # the verifier's greedy token, from its own lm_head, at every real position of the padded batch
+    assert top1.dtype == torch.int32
+    assert torch.equal(top1[valid].long(), logits[valid].argmax(-1))
 
 
 def test_post_norm_final_state_is_hf_last_hidden_state(model) -> None:
     ids, mask = _batch(model.config.vocab_size)
     capture = CaptureHooks(model, [1, 2, 3], "post_norm")
     with torch.inference_mode():
-        _, final = capture(ids, mask)
+        _, final, _ = capture(ids, mask)
         reference = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-1]
         logits = model(input_ids=ids, attention_mask=mask).logits
     capture.remove()
@@ -90,12 +93,15 @@ def test_capture_on_cuda_matches_cpu(tiny_verifier_source: Path) -> None:
         reference = [t[valid] for t in CaptureHooks(cpu, layers, "pre_norm")(ids, mask)]
         for dtype in (torch.float32, torch.bfloat16):
             gpu = AutoModelForCausalLM.from_pretrained(tiny_verifier_source, dtype=dtype).cuda().eval()
-            captured = [t.float().cpu()[valid] for t in CaptureHooks(gpu, layers, "pre_norm")(ids.cuda(), mask.cuda())]
-            for got, want in zip(captured, reference, strict=True):
+            *states, top1 = [t.cpu()[valid] for t in CaptureHooks(gpu, layers, "pre_norm")(ids.cuda(), mask.cuda())]
+            for got, want in zip(states, reference[:2], strict=True):
                 if dtype == torch.float32:
-                    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+                    torch.testing.assert_close(got.float(), want, rtol=1e-4, atol=1e-4)
                 else:
-                    assert torch.nn.functional.cosine_similarity(got, want, dim=-1).min() > 0.99
+                    assert torch.nn.functional.cosine_similarity(got.float(), want, dim=-1).min() > 0.99
+            # the greedy token: exact in fp32; in bf16 near-ties of a random model may flip a few
+            agreement = (top1 == reference[2]).float().mean()
+            assert agreement == 1.0 if dtype == torch.float32 else agreement > 0.9
 
 
 @pytest.mark.gpu

@@ -153,12 +153,12 @@ def test_a_failing_nvidia_smi_and_no_gpu(tmp_path: Path, monkeypatch: pytest.Mon
 def test_disk_estimate_against_free_space(project: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     params = load_params("params.yaml")
     before = extract_estimate(params)  # before generate: 10 train prompts × max_seq_len, hidden from the source
-    assert (before.tokens, before.bytes_per_token) == (10 * 2048, 4 * 32 * 2 + 5)
+    assert (before.tokens, before.bytes_per_token) == (10 * 2048, 4 * 32 * 2 + 9)
     _write_json(paths.VERIFIER / "manifest.json", {"stage": "prepare", "verifier": {"hidden_size": 64}})
     split = {"records": 10, "failed": 0, "prompt_tokens": 700, "response_tokens": 100, "shards": []}
     _write_json(paths.GENERATED / "manifest.json", {"stage": "generate", "splits": {"train": split}})
     estimate = extract_estimate(params)
-    assert (estimate.tokens, estimate.bytes_per_token, estimate.total) == (800, 517, 413_600)
+    assert (estimate.tokens, estimate.bytes_per_token, estimate.total) == (800, 521, 416_800)
 
     def level(free: int) -> doctor.Finding:
         monkeypatch.setattr(doctor.shutil, "disk_usage", lambda _: SimpleNamespace(free=free))
@@ -166,8 +166,8 @@ def test_disk_estimate_against_free_space(project: Path, monkeypatch: pytest.Mon
         return finding
 
     full = level(400_000)
-    assert full.level == "error" and "413.6 kB" in full.message and "400.0 kB free" in full.message
-    assert full.fix == "dvc exp run -S extract.shard_dir=<a folder on a disk with 413.6 kB free>"
+    assert full.level == "error" and "416.8 kB" in full.message and "400.0 kB free" in full.message
+    assert full.fix == "dvc exp run -S extract.shard_dir=<a folder on a disk with 416.8 kB free>"
     assert level(500_000).level == "warning"
     assert level(10_000_000).level == "ok"
     shards = Path(params.extract.shard_dir)

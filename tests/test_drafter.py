@@ -129,12 +129,14 @@ def test_compiled_cuda_training_step_matches_eager_gradients() -> None:
     batch = Packed(
         aux=aux,
         final=torch.randn(1, 384, hidden, generator=generator),
+        top1=torch.randint(0, vocab, (1, 384), generator=generator),
         input_ids=step_ids[0],
         loss_mask=documents >= 0,
         document_ids=documents,
         position_ids=positions,
     ).to("cuda")
-    head = VerifierHead(torch.randn(vocab, hidden), torch.ones(hidden), 1e-5, torch.randn(vocab, hidden)).to("cuda")
+    draft_rows = torch.randn(_drafter(verifier=verifier).config.draft_vocab_size, hidden, generator=generator)
+    head = VerifierHead(torch.randn(vocab, hidden), torch.ones(hidden), 1e-5, draft_rows).to("cuda")
     results = []
     for compiled in (False, True):
         model = _drafter(verifier=verifier).cuda().train()

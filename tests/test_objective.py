@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from expman.drafter import DrafterConfig, Eagle3Drafter
+from expman.errors import ExpmanError
 from expman.extract import CaptureHooks
 from expman.objective import Packed, VerifierHead, metric_values, simulated_tau, ttt_loss
 
@@ -22,27 +23,36 @@ def _document(verifier, length: int, prompt: int, seed: int) -> dict[str, torch.
     ids = torch.randint(5, verifier.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(seed))
     capture = CaptureHooks(verifier, [2, 4, 5], "pre_norm")
     with torch.no_grad():
-        aux, final = capture(ids, torch.ones_like(ids))
+        aux, final, top1 = capture(ids, torch.ones_like(ids))
     capture.remove()
     mask = torch.zeros(length, dtype=torch.bool)
     mask[prompt:] = True
-    return {"input_ids": ids[0], "loss_mask": mask, "aux_hidden_states": aux[0], "final_hidden_states": final[0]}
+    return {
+        "input_ids": ids[0],
+        "loss_mask": mask,
+        "aux_hidden_states": aux[0],
+        "final_hidden_states": final[0],
+        "verifier_top1": top1[0],
+    }
 
 
-def _drafter(verifier, head: VerifierHead, full_vocab: bool) -> Eagle3Drafter:
+def _drafter(verifier, source: Path, full_vocab: bool) -> tuple[Eagle3Drafter, VerifierHead]:
+    """A drafter over every target id or 64 of them, and the verifier head holding that draft vocab's rows."""
     vocab = verifier.config.vocab_size
     size = vocab if full_vocab else 64
+    chosen = torch.arange(size) if full_vocab else torch.arange(0, vocab, vocab // 64)[:size]
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[chosen] = True
+    head = VerifierHead.load(source, t2d)
     config = DrafterConfig.from_verifier(verifier.config.to_dict(), size, [2, 4, 5])
     torch.manual_seed(0)
     drafter = Eagle3Drafter(config)
     with torch.no_grad():
         drafter.embed_tokens.weight.copy_(head.embed)
-        chosen = torch.arange(size) if full_vocab else torch.arange(0, vocab, vocab // 64)[:size]
-        drafter.t2d.zero_()
-        drafter.t2d[chosen] = True
+        drafter.t2d.copy_(t2d)
         drafter.d2t.copy_(chosen - torch.arange(size))
-        drafter.lm_head.weight.copy_(head.lm_head[chosen])
-    return drafter
+        drafter.lm_head.weight.copy_(head.lm_head)
+    return drafter, head
 
 
 def test_head_reproduces_verifier_logits(verifier, tiny_verifier_source: Path) -> None:
@@ -54,8 +64,7 @@ def test_head_reproduces_verifier_logits(verifier, tiny_verifier_source: Path) -
 
 
 def test_valid_positions_follow_the_alignment(verifier, tiny_verifier_source: Path) -> None:
-    head = VerifierHead.load(tiny_verifier_source)
-    drafter = _drafter(verifier, head, full_vocab=True)
+    drafter, head = _drafter(verifier, tiny_verifier_source, full_vocab=True)
     documents = [_document(verifier, 10, 4, seed=2), _document(verifier, 7, 2, seed=3)]
     metrics = metric_values(ttt_loss(drafter, head, Packed.of(documents), steps=3, step_decay=1.0)[1])
     for k in range(3):
@@ -65,8 +74,7 @@ def test_valid_positions_follow_the_alignment(verifier, tiny_verifier_source: Pa
 
 
 def test_objective_trains(verifier, tiny_verifier_source: Path) -> None:
-    head = VerifierHead.load(tiny_verifier_source)
-    drafter = _drafter(verifier, head, full_vocab=False)
+    drafter, head = _drafter(verifier, tiny_verifier_source, full_vocab=False)
     batch = Packed.of([_document(verifier, 40, 5, seed=s) for s in range(4)])
     optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
     first = None
@@ -89,12 +97,12 @@ def test_simulated_tau() -> None:
     assert simulated_tau([0.3, 0.4], 1) == pytest.approx(1.3)
 
 
-def test_chunked_targets_equal_full_logits(verifier, tiny_verifier_source: Path) -> None:
-    head = VerifierHead.load(tiny_verifier_source)
+def test_draft_rows_give_the_verifier_distribution_over_the_draft_vocab(verifier, tiny_verifier_source: Path) -> None:
     final = _document(verifier, 30, 4, seed=7)["final_hidden_states"]
     t2d = torch.zeros(verifier.config.vocab_size, dtype=torch.bool)
     t2d[::5] = True
-    top1, probs = head.targets(final, t2d, chunk=7)
-    full = head.logits(final)
-    assert torch.equal(top1, full.argmax(-1))
+    full = VerifierHead.load(tiny_verifier_source).logits(final)
+    probs = VerifierHead.load(tiny_verifier_source, t2d).target_probs(final)
     torch.testing.assert_close(probs, torch.softmax(full[:, t2d], dim=-1), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ExpmanError, match="lm_head.weight has"):
+        VerifierHead.load(tiny_verifier_source, t2d[1:])

@@ -82,6 +82,7 @@ def test_outputs_and_mlflow_lineage(project: Path) -> None:
         offsets = tensors["sample_offsets"].tolist()
         assert tensors["aux_hidden_states"].shape == (offsets[-1], 3 * 32)
         assert tensors["final_hidden_states"].dtype == torch.bfloat16
+        assert tensors["verifier_top1"].dtype == torch.int32 and tensors["verifier_top1"].shape == (offsets[-1],)
         ids = json.loads(_metadata(project / extract_manifest["shard_dir"] / entry["path"])["expman"])["sample_ids"]
         for k, sample_id in enumerate(ids):
             record = records[sample_id]
@@ -251,13 +252,41 @@ def test_a_failed_shard_write_fails_the_stage_and_leaves_no_manifest(
 ) -> None:
     """Writes run in background threads: their errors must still reach the stage, not vanish with the thread."""
     run_until("generate")
-    import safetensors.torch
 
     def disk_full(*_args, **_kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
+    monkeypatch.setattr(extract_module, "save_streamed", disk_full)
     with pytest.raises(OSError, match="No space left on device"):
         extract(load_params("params.yaml"), paths.VERIFIER, paths.GENERATED, paths.EXTRACT)
     assert not (project / paths.EXTRACT / "manifest.json").exists()
     assert not list((project / "data/extract/shards").glob("*.done.json"))
+
+
+def test_streamed_shards_read_back_as_safetensors_with_their_digest(tmp_path: Path) -> None:
+    """The shard writer's own safetensors layout: byte for byte what safetensors writes, for every dtype extract
+    writes, empty and 0-d tensors and metadata; the digest it returns is the file's sha256."""
+    import hashlib
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    tensors = {
+        "aux_hidden_states": torch.randn(5, 6).bfloat16(),
+        "loss_mask": torch.tensor([True, False, True]),
+        "input_ids": torch.arange(7, dtype=torch.int32),
+        "sample_offsets": torch.tensor([0, 3, 7]),
+        "empty": torch.zeros(0, 4, dtype=torch.bfloat16),
+        "scalar": torch.tensor(2.5),
+    }
+    path = tmp_path / "shard.safetensors"
+    digest = extract_module.save_streamed(tensors, path, {"expman": '{"key": "k"}'})
+    assert digest == hashlib.sha256(path.read_bytes()).hexdigest()
+    back = load_file(str(path))
+    assert back.keys() == tensors.keys()
+    for name, tensor in tensors.items():
+        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
+    with safe_open(str(path), "pt") as handle:
+        assert handle.metadata() == {"expman": '{"key": "k"}'}
+    save_file(tensors, str(tmp_path / "reference.safetensors"), metadata={"expman": '{"key": "k"}'})
+    assert path.read_bytes() == (tmp_path / "reference.safetensors").read_bytes()
