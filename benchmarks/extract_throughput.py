@@ -37,7 +37,7 @@ import click
 import torch
 from reporting import SHAPES, cpu_name, write_report
 
-from expman.extract import LOGIT_CHUNK_TOKENS, CaptureHooks, capture_contract, extract_shard, write_shards
+from expman.extract import CaptureHooks, capture_contract, extract_shard, greedy_tokens, write_shards
 from expman.params import ExtractParams
 from expman.provenance import package_versions
 from expman.shards import ShardSet
@@ -152,8 +152,7 @@ def main(
             for start in range(0, samples, rows):
                 chunk = ids[start : start + rows].to(device)
                 out = base(input_ids=chunk, attention_mask=torch.ones_like(chunk), use_cache=False)
-                flat = out.last_hidden_state.flatten(0, 1)
-                [model.lm_head(part).argmax(-1) for part in flat.split(LOGIT_CHUNK_TOKENS)]
+                greedy_tokens(model.lm_head, out.last_hidden_state)
 
     capture = CaptureHooks(model, contract["aux_layers"], section.final_state)
 

@@ -32,6 +32,7 @@ __all__ = [
     "default_aux_layers",
     "extract",
     "extract_shard",
+    "greedy_tokens",
     "load_shard",
     "save_streamed",
     "write_shards",
@@ -78,6 +79,16 @@ def capture_contract(verifier: dict[str, Any], section: ExtractParams) -> dict[s
 LOGIT_CHUNK_TOKENS = 2048  # full-vocab logits exist for this many tokens at a time (128K-vocab bf16: 512 MiB)
 
 
+def greedy_tokens(lm_head: Any, normed: Any) -> Any:
+    """The verifier's greedy next token [...] from its post-norm states [..., H]: its own lm_head's argmax, run on
+    ``LOGIT_CHUNK_TOKENS`` tokens at a time so the full-vocab logits never exist for the whole batch."""
+    import torch
+
+    flat = normed.reshape(-1, normed.shape[-1])
+    top1 = torch.cat([lm_head(part).argmax(-1) for part in flat.split(LOGIT_CHUNK_TOKENS)])
+    return top1.view(normed.shape[:-1])
+
+
 class CaptureHooks:
     """Forward hooks that keep the aux layer outputs and the final (pre- or post-norm) state of one forward, and
     the verifier's top-1 from its own lm_head."""
@@ -108,10 +119,8 @@ class CaptureHooks:
         out = self.base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         normed = out.last_hidden_state
         final = self.states["final"] if self.final_state == "pre_norm" else normed
-        flat = normed.reshape(-1, normed.shape[-1])
-        top1 = torch.cat([self.lm_head(part).argmax(-1) for part in flat.split(LOGIT_CHUNK_TOKENS)])
         aux = torch.cat([self.states[i] for i in self.aux_layers], dim=-1)
-        return aux, final, top1.view(normed.shape[:-1]).to(torch.int32)
+        return aux, final, greedy_tokens(self.lm_head, normed).to(torch.int32)
 
     def remove(self) -> None:
         for handle in self.handles:
