@@ -2,13 +2,15 @@
 against one GPU at the same global batch.
 
   python benchmarks/train_scaling.py --gpus 2 --out benchmarks/results/train_scaling_h200x2.json
+  python benchmarks/train_scaling.py --gpus 2 --fsdp --shape kimi-k2 --out benchmarks/results/train_fsdp_h200x2.json
 
 The script starts itself under ``torchrun`` twice: one process with ``accumulate`` N, then N processes with
 ``accumulate`` 1. Both start from the same weights and see the same global batches (micro-batch i of step s is
 drawn from seed (s, i) on whichever process takes it); TTT noise is off so that the inputs are identical and the
 two loss curves may differ only by the order in which gradients are summed. Reported: the loss of every step
 (mean over the global batch), the largest difference between the curves, step times, and scaling efficiency
-t(1 GPU) / (N · t(N GPUs)) at equal work per GPU.
+t(1 GPU) / (N · t(N GPUs)) at equal work per GPU. With ``--fsdp`` the N processes shard the drafter (FSDP2) instead of
+replicating it; each process's peak memory shows what the sharding saves.
 """
 
 from __future__ import annotations
@@ -33,13 +35,22 @@ from expman.train import new_optimizer, training_step
 
 
 def _worker(
-    shape_name: str, ttt: int, tokens: int, document: int, draft_vocab: int, steps: int, warmup: int, micro_batches: int
+    shape_name: str,
+    ttt: int,
+    tokens: int,
+    document: int,
+    draft_vocab: int,
+    steps: int,
+    warmup: int,
+    micro_batches: int,
+    fsdp: bool,
 ) -> dict:
-    parallel = DataParallel.from_env("cuda")
+    parallel = DataParallel.from_env("cuda", fsdp)
     accumulate = micro_batches // parallel.world
     shape = SHAPES[shape_name]
-    section = TrainParams(ttt_steps=ttt, max_tokens=tokens, noise_std=0.0, accumulate=accumulate)
+    section = TrainParams(ttt_steps=ttt, max_tokens=tokens, noise_std=0.0, accumulate=accumulate, fsdp=fsdp)
     drafter, head = random_drafter(shape, section, draft_vocab, "cuda")
+    drafter = parallel.shard(drafter, "cuda")
     optimizer, scheduler = new_optimizer(drafter, section, total_steps=warmup + steps)
     noise = torch.Generator(device="cuda").manual_seed(parallel.rank)
     losses, times = [], []
@@ -64,6 +75,7 @@ def _worker(
     parallel.close()
     return {
         "processes": parallel.world,
+        "fsdp": parallel.sharded,
         "accumulate": accumulate,
         "step_s": {"median": statistics.median(times), "min": min(times), "max": max(times)},
         "tok_per_s": micro_batches * tokens / statistics.median(times),
@@ -85,7 +97,10 @@ def _launch(processes: int, options: dict) -> dict:
         os.devnull,
     ]
     for name, value in options.items():
-        argv += [f"--{name.replace('_', '-')}", str(value)]
+        if isinstance(value, bool):
+            argv += [f"--{name.replace('_', '-')}"] if value else []
+        else:
+            argv += [f"--{name.replace('_', '-')}", str(value)]
     done = subprocess.run(argv, capture_output=True, text=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith('{"processes"')]
     if done.returncode or not lines:
@@ -104,6 +119,7 @@ def _launch(processes: int, options: dict) -> dict:
     "--steps", default=30, show_default=True, help="timed steps, each on a global batch of --gpus micro-batches"
 )
 @click.option("--warmup", default=3, show_default=True, help="first steps, untimed (compilation); their loss is kept")
+@click.option("--fsdp", is_flag=True, help="the N-GPU run shards weights, gradients and AdamW state (train.fsdp)")
 @click.option("--worker", is_flag=True, hidden=True)
 @click.option("--micro-batches", type=int, hidden=True)
 @click.option("--out", type=click.Path(path_type=Path), required=True)
@@ -116,12 +132,13 @@ def main(
     draft_vocab: int,
     steps: int,
     warmup: int,
+    fsdp: bool,
     worker: bool,
     micro_batches: int | None,
     out: Path,
 ) -> None:
     if worker:
-        result = _worker(shape, ttt, tokens, document, draft_vocab, steps, warmup, micro_batches)
+        result = _worker(shape, ttt, tokens, document, draft_vocab, steps, warmup, micro_batches, fsdp)
         if int(os.environ.get("RANK", "0")) == 0:
             click.echo(json.dumps(result))
         return
@@ -135,7 +152,7 @@ def main(
         "warmup": warmup,
         "micro_batches": gpus,
     }
-    one, many = _launch(1, options), _launch(gpus, options)
+    one, many = _launch(1, options), _launch(gpus, options | {"fsdp": fsdp})
     gaps = [abs(a - b) for a, b in zip(one["losses"], many["losses"], strict=True)]
     write_report(
         {

@@ -1,5 +1,5 @@
 """Training throughput of expman's real training step (``expman.train.training_step``: TTT loss, backward,
-clip, AdamW, schedule; on CUDA the same compiled layers and flex attention as ``expman.train.train``) at a
+clip, AdamW, schedule; on CUDA the same compiled loss and flex attention as ``expman.train.train``) at a
 verifier's drafter shape, on random features.
 
 CPU default: SmolLM2-135M-Instruct's shape, TTT 3, 1024-token batches of 256-token documents, float32.
@@ -91,7 +91,7 @@ def random_drafter(
 ) -> tuple[Eagle3Drafter, VerifierHead]:
     """A drafter for a verifier of ``shape`` and that verifier's head (the draft vocab's rows, as the train stage
     loads it), random but the same in every process (seed 0), set up as the train stage sets them up (dtype,
-    compiled layers on CUDA)."""
+    flex attention on CUDA; training_step compiles the loss)."""
     torch.manual_seed(0)
     generator = torch.Generator(device=device).manual_seed(0)
     hidden, vocab = shape["hidden_size"], shape["vocab_size"]
@@ -110,7 +110,7 @@ def random_drafter(
         drafter.lm_head.weight.copy_(head.lm_head)
     drafter = drafter.to(device)
     if compiles(section, device):
-        drafter.compile_for_training()
+        drafter.use_flex_attention()
     return drafter, head
 
 

@@ -251,14 +251,10 @@ class Eagle3Drafter(nn.Module):
         # "sdpa" with dense masks (CPU, inference), or "flex" with block-sparse masks (CUDA training)
         self.attention = "sdpa"
 
-    def compile_for_training(self) -> None:
-        """Fuse the memory-bound pieces of each layer (norms, concatenation, SwiGLU, residuals) with
-        torch.compile and switch attention to compiled flex attention: the CUDA training path."""
+    def use_flex_attention(self) -> None:
+        """Block-sparse flex attention over packed documents: the CUDA training path, where the whole training
+        loss is compiled around it (``objective.compiled_ttt_loss``)."""
         self.attention = "flex"
-        for layer in self.layers:
-            layer.attention_input = torch.compile(layer.attention_input)
-            layer.feed_forward = torch.compile(layer.feed_forward)
-        self.draft_logits = torch.compile(self.draft_logits)
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]

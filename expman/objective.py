@@ -119,6 +119,21 @@ class Packed:
     def to(self, device: str) -> Packed:
         return Packed(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
 
+    def padded(self, length: int) -> Packed:
+        """The row padded to ``length`` tokens with a padding document (id -1, out of the loss): every batch of
+        the compiled loss then has one shape, so it compiles once (flex attention has no dynamic shapes)."""
+        pad = length - self.input_ids.shape[1]
+        if pad <= 0:
+            return self
+        fills = {"top1": -1, "loss_mask": False, "document_ids": -1}
+
+        def grow(name: str) -> torch.Tensor:
+            tensor = getattr(self, name)
+            tail = tensor.new_full((1, pad, *tensor.shape[2:]), fills.get(name, 0))
+            return torch.cat([tensor, tail], dim=1)
+
+        return Packed(*(grow(name) for name in self.__dataclass_fields__))
+
 
 def _ahead(x: torch.Tensor, n: int, fill: float | int | bool) -> torch.Tensor:
     """x[:, t+n] at position t (dim 1), ``fill`` past the end."""
@@ -145,6 +160,15 @@ def soft_cross_entropy(logits: torch.Tensor, target_probs: torch.Tensor) -> torc
 def _compiled_soft_cross_entropy() -> Any:
     """On CUDA one fused kernel per direction instead of several passes over [T, draft vocab] in fp32."""
     return torch.compile(soft_cross_entropy, dynamic=True)
+
+
+@functools.cache
+def compiled_ttt_loss() -> Any:
+    """``ttt_loss`` compiled as one program, the TTT unroll, flex attention, soft-CE and metrics together: on an
+    H200 1.14-1.20x the tokens/s of compiling each layer's pieces apart, and less memory (fewer kernels, fewer
+    launch gaps, fusion across the steps; benchmarks/results/train_gpu_h200.json). For one static shape: give it
+    batches ``Packed.padded`` to one length."""
+    return torch.compile(ttt_loss, dynamic=False)
 
 
 def ttt_loss(

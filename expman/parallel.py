@@ -1,9 +1,15 @@
-"""Data-parallel training under ``torchrun``: the process group, and gradient sums across processes.
+"""Data-parallel training under ``torchrun``: the process group, gradient sums across processes, and FSDP.
 
 ``torchrun --nproc_per_node N stages/train.py`` starts N copies of the stage; each takes its share of every
 optimizer step's micro-batches, and after the backward passes the gradients are summed across processes with
 one all-reduce (NCCL on GPUs, gloo on CPU). Every loss is scaled by 1 / (micro-batches of the step on all
 processes), so N processes with ``train.accumulate`` a give the same update as one process with N·a.
+
+With ``train.fsdp`` the drafter is sharded instead (FSDP2, ``fully_shard``): each process keeps 1/N of the
+trainable weights, their gradients and the AdamW state, all-gathers the weights for the step, and gradients are
+reduce-scattered as sums, so the updates are the same as replicated training's. For drafters whose optimizer
+state does not fit one GPU (Kimi-K2's: about 1 B trainable parameters, 16 GB of fp32 weights, gradients and
+AdamW moments).
 """
 
 from __future__ import annotations
@@ -22,9 +28,11 @@ class DataParallel:
 
     rank: int = 0
     world: int = 1
+    sharded: bool = False
+    """FSDP: weights, gradients and optimizer state sharded over the processes (only when world > 1)."""
 
     @classmethod
-    def from_env(cls, device: str) -> DataParallel:
+    def from_env(cls, device: str, fsdp: bool = False) -> DataParallel:
         """Join the process group ``torchrun`` describes in the environment (RANK, WORLD_SIZE, LOCAL_RANK)."""
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world == 1:
@@ -35,20 +43,87 @@ class DataParallel:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         if not dist.is_initialized():
             dist.init_process_group("nccl" if device == "cuda" else "gloo")
-        return cls(dist.get_rank(), world)
+        return cls(dist.get_rank(), world, fsdp)
 
     @property
     def main(self) -> bool:
         """The process that logs to MLflow and writes checkpoints, metrics and the manifest."""
         return self.rank == 0
 
+    def shard(self, model: torch.nn.Module, device: str) -> torch.nn.Module:
+        """Under FSDP, shard ``model``'s trainable weights in place, as one unit: each forward all-gathers them
+        once and keeps them until the backward is done (the TTT unroll calls every layer once per step; a unit
+        per layer would also re-pack the KV-cache lists the layers append to). Frozen weights (the embedding)
+        stay whole on every process: sharding them would only add an all-gather per step. Gradients are
+        reduce-scattered as sums, not averages."""
+        if not self.sharded:
+            return model
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        frozen = {p for p in model.parameters() if not p.requires_grad}
+        mesh = init_device_mesh(device, (self.world,))
+        fully_shard(model, mesh=mesh, reshard_after_forward=False, ignored_params=frozen)
+        model.set_gradient_divide_factor(1.0)
+        model.set_force_sum_reduction_for_comms(True)  # a plain sum: gloo has no pre-multiplied sum
+        return model
+
+    def model_state(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The whole model's state dict: under FSDP gathered onto the main process's CPU ({} on the others, and
+        every process must call it); otherwise the model's own."""
+        if not self.sharded:
+            return model.state_dict()
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(model, options=self._whole())
+
+    def optimizer_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        """The optimizer's state dict, whole, as ``model_state`` (under FSDP keyed by parameter name)."""
+        if not self.sharded:
+            return optimizer.state_dict()
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(model, optimizer, options=self._whole())
+
+    def load_states(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, weights: dict, moments: dict):
+        """Restore what ``model_state`` and ``optimizer_state`` returned (``weights`` may omit frozen weights);
+        under FSDP every process reads the whole states and keeps its shards."""
+        if not self.sharded:
+            model.load_state_dict(weights, strict=False)
+            optimizer.load_state_dict(moments)
+            return
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        whole = StateDictOptions(full_state_dict=True, strict=False)
+        set_model_state_dict(model, weights, options=whole)
+        set_optimizer_state_dict(model, optimizer, moments, options=whole)
+
+    @staticmethod
+    def _whole() -> object:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
     def share(self, group: list, accumulate: int) -> list:
         """This process's micro-batches of one step's ``group`` (at most world × accumulate, in plan order)."""
         return group[self.rank * accumulate : (self.rank + 1) * accumulate]
 
+    def fillers(self, group: list, accumulate: int) -> list:
+        """Under FSDP, every process must run as many backward passes as the others (each one reduce-scatters):
+        a process short of ``accumulate`` micro-batches in a step's last, partial group repeats the group's first
+        one that many times, to be trained with weight 0."""
+        if not self.sharded:
+            return []
+        return group[:1] * (accumulate - len(self.share(group, accumulate)))
+
     def sum_gradients(self, parameters: list[torch.Tensor]) -> None:
-        """Replace each gradient by its sum over all processes (a process without a micro-batch adds zeros)."""
-        if self.world == 1:
+        """Replace each gradient by its sum over all processes (a process without a micro-batch adds zeros).
+        Under FSDP the backward pass has already summed them, shard by shard."""
+        if self.world == 1 or self.sharded:
             return
         import torch.distributed as dist
 

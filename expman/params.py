@@ -216,6 +216,9 @@ class TrainParams(Section):
     accumulate: PositiveInt = 1
     """Packed batches per optimizer step on each process; under torchrun the global batch is accumulate ×
     processes (same updates as one process with that many)."""
+    fsdp: StrictBool = False
+    """Under torchrun: shard the trainable weights, gradients and AdamW state over the processes (FSDP2) instead
+    of replicating them, for drafters whose optimizer state does not fit one GPU. Same updates either way."""
     val_fraction: float = Field(default=0.1, ge=0.0, lt=0.5)
     """Share of samples held out for validation (chosen by a hash of the sample id, stable across runs)."""
     seed: int = 0
@@ -232,7 +235,7 @@ class TrainParams(Section):
     dtype: Dtype = "auto"
     """auto: float32 on CPU, bfloat16 autocast on CUDA."""
     compile: Literal["auto"] | StrictBool = "auto"
-    """torch.compile the layers and use block-sparse flex attention; auto: on CUDA only."""
+    """torch.compile the training loss as one program and use block-sparse flex attention; auto: on CUDA only."""
 
 
 class BaselineParams(Section):

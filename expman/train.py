@@ -26,8 +26,8 @@ from expman.checkpoint import save_speculators
 from expman.conversations import prompt_id
 from expman.drafter import DrafterConfig, Eagle3Drafter
 from expman.errors import ExpmanError
-from expman.extract import load_shard
-from expman.objective import Packed, VerifierHead, metric_values, simulated_tau, ttt_loss
+from expman.extract import TENSORS, load_shard
+from expman.objective import Packed, VerifierHead, compiled_ttt_loss, metric_values, simulated_tau, ttt_loss
 from expman.parallel import DataParallel
 from expman.params import TrainParams
 from expman.provenance import atomic_write, atomic_write_json, read_manifest, sha256_file, sha256_json, upstream_entry
@@ -111,12 +111,15 @@ def batch_plan(refs: list[SampleRef], max_tokens: int, seed: int, epoch: int) ->
 class ShardCache:
     """Loads one shard at a time (batches are grouped by shard); each shard's checksum is verified once."""
 
+    PER_TOKEN = [name for name in TENSORS if name != "sample_offsets"]
+
     def __init__(self, manifest: dict[str, Any]):
         self.manifest = manifest
         self.verified: set[int] = set()
         self.current: tuple[int, dict[str, torch.Tensor]] | None = None
 
     def document(self, ref: SampleRef, max_tokens: int) -> dict[str, torch.Tensor]:
+        """One document's per-token tensors, cut to ``max_tokens``."""
         if self.current is None or self.current[0] != ref.shard:
             tensors = load_shard(self.manifest, ref.shard, verify=ref.shard not in self.verified)
             self.verified.add(ref.shard)
@@ -124,8 +127,11 @@ class ShardCache:
         tensors = self.current[1]
         start = int(tensors["sample_offsets"][ref.index])
         end = min(int(tensors["sample_offsets"][ref.index + 1]), start + max_tokens)
-        names = ("input_ids", "loss_mask", "aux_hidden_states", "final_hidden_states", "verifier_top1")
-        return {name: tensors[name][start:end] for name in names}
+        return {name: tensors[name][start:end] for name in self.PER_TOKEN}
+
+    def packed(self, refs: list[SampleRef], max_tokens: int, device: str) -> Packed:
+        """One packed batch of the documents ``refs``, on ``device``."""
+        return Packed.of([self.document(ref, max_tokens) for ref in refs]).to(device)
 
 
 def training_step(
@@ -139,26 +145,34 @@ def training_step(
     device: str,
     micro_batches: int | None = None,
     parallel: DataParallel | None = None,
+    fillers: list[Packed] = (),
 ) -> dict[str, float]:
     """One optimizer step over this process's micro-batches ``batches``: TTT loss (bf16 autocast on CUDA) and
     backward for each, gradients summed across processes, clip, AdamW, schedule.
 
     Each loss is scaled by 1 / ``micro_batches``, the step's micro-batches on all processes (default: these), so
-    the update is the mean over the whole global batch. Metrics are this process's, averaged over its batches."""
+    the update is the mean over the whole global batch; ``fillers`` (FSDP's, see ``DataParallel.fillers``) run
+    with weight 0. Metrics are this process's, averaged over its batches."""
     count = micro_batches or len(batches)
+    objective = compiled_ttt_loss() if compiles(section, device) else ttt_loss
     optimizer.zero_grad(set_to_none=True)
     tracked_all = []
-    for batch in batches:
+    for batch, weight in [(b, 1.0) for b in batches] + [(b, 0.0) for b in fillers]:
+        if objective is not ttt_loss:
+            batch = batch.padded(section.max_tokens)
         with torch.autocast("cuda", dtype=torch.bfloat16) if autocasts(section, device) else nullcontext():
-            loss, tracked = ttt_loss(
+            loss, tracked = objective(
                 drafter, head, batch, section.ttt_steps, section.step_loss_decay, section.noise_std, noise
             )
-        (loss / count if count > 1 else loss).backward()
-        tracked_all.append(tracked)
+        (loss * weight / count).backward()
+        if weight:
+            tracked_all.append(tracked)
     trainable = [p for group in optimizer.param_groups for p in group["params"]]
     if parallel is not None:
         parallel.sum_gradients(trainable)
     grad_norm = torch.nn.utils.clip_grad_norm_(trainable, section.grad_clip)
+    if parallel is not None and parallel.sharded:  # a DTensor: the norm over every process's shards
+        grad_norm = grad_norm.full_tensor()
     optimizer.step()
     scheduler.step()
     each = [metric_values(tracked) for tracked in tracked_all]
@@ -173,7 +187,7 @@ def autocasts(section: TrainParams, device: str) -> bool:
 
 
 def compiles(section: TrainParams, device: str) -> bool:
-    """Whether training compiles the drafter (``train.compile``; auto: on CUDA, where flex attention runs)."""
+    """Whether training compiles its loss and uses flex attention (``train.compile``; auto: on CUDA)."""
     return section.compile is True or (section.compile == "auto" and device == "cuda")
 
 
@@ -281,7 +295,7 @@ def _evaluate(drafter, head, cache, batches, section, device) -> dict[str, float
     drafter.eval()
     with torch.no_grad():
         for refs in batches:
-            batch = Packed.of([cache.document(r, section.max_tokens) for r in refs]).to(device)
+            batch = cache.packed(refs, section.max_tokens, device)
             metrics = metric_values(ttt_loss(drafter, head, batch, section.ttt_steps, section.step_loss_decay)[1])
             for k in range(section.ttt_steps):
                 for name in (f"loss_{k}", f"acc_{k}", f"cond_acc_{k}"):
@@ -338,15 +352,15 @@ def train(
     if not train_refs:
         raise ExpmanError(f"{extract_dir / 'manifest.json'}: no training samples left after the validation split")
     device = resolve_device(section.device)
-    parallel = DataParallel.from_env(device)
+    parallel = DataParallel.from_env(device, section.fsdp)
     vocab = load_file(str(vocab_dir / "vocab.safetensors"))
     head = VerifierHead.load(verifier_dir, vocab["t2d"])
     drafter = _new_drafter(verifier_dir, head, contract, vocab, section)
     if section.finetune_from:
         drafter = start_from(drafter, section, head)
-    drafter = drafter.to(device)
+    drafter = parallel.shard(drafter.to(device), device)
     if compiles(section, device):
-        drafter.compile_for_training()
+        drafter.use_flex_attention()
     head = head.to(device, torch.bfloat16 if autocasts(section, device) else None)
     per_step = section.accumulate * parallel.world  # micro-batches of one optimizer step on all processes
     plans = [
@@ -372,7 +386,7 @@ def train(
     )
     for path in (state_dir / "state.pt", out_dir, metrics_path):
         remove_stale_temps(path)  # what a kill during an atomic write left beside it
-    step = _resume(state_dir, plan_key, drafter, optimizer, scheduler, noise, parallel.rank)
+    step = _resume(state_dir, plan_key, drafter, optimizer, scheduler, noise, parallel)
     cache = ShardCache(extract_manifest)
     val_batches = batch_plan(val_refs, section.max_tokens, section.seed, VAL_EPOCH) if val_refs else []
     logged = section.model_dump() | ({"sample_share": sample_share} if sample_share < 1 else {})
@@ -387,15 +401,31 @@ def train(
                     continue  # finished before a resume
                 for group in steps[step - epoch_starts[epoch] :]:
                     batches = [
-                        Packed.of([cache.document(r, section.max_tokens) for r in refs]).to(device)
+                        cache.packed(refs, section.max_tokens, device)
                         for refs in parallel.share(group, section.accumulate)
                     ]
+                    fillers = [
+                        cache.packed(refs, section.max_tokens, device)
+                        for refs in parallel.fillers(group, section.accumulate)
+                    ]
                     metrics = training_step(
-                        drafter, head, batches, optimizer, scheduler, section, noise, device, len(group), parallel
+                        drafter,
+                        head,
+                        batches,
+                        optimizer,
+                        scheduler,
+                        section,
+                        noise,
+                        device,
+                        len(group),
+                        parallel,
+                        fillers,
                     )
                     step += 1
                     checkpoint = step % section.checkpoint_every == 0 or step == total_steps
-                    noise_states = parallel.gather(noise.get_state()) if checkpoint else []
+                    if checkpoint:  # collectives: every process takes part
+                        noise_states = parallel.gather(noise.get_state())
+                        weights, moments = parallel.model_state(drafter), parallel.optimizer_state(drafter, optimizer)
                     if not parallel.main:
                         continue
                     tokens += sum(batch.input_ids.numel() for batch in batches) * parallel.world
@@ -412,15 +442,20 @@ def train(
                         run.log_metrics(averaged, step=step)
                         window = []
                     if checkpoint:
-                        _save_state(state_dir, plan_key, step, drafter, optimizer, scheduler, noise_states)
-                if val_batches and parallel.main:
+                        _save_state(state_dir, plan_key, step, weights, moments, scheduler, noise_states)
+                if val_batches and (parallel.main or parallel.sharded):  # FSDP: every forward is a collective
                     final = _evaluate(drafter, head, cache, val_batches, section, device)
-                    run.log_metrics({f"val/{k}": v for k, v in final.items()}, step=step)
+                    if parallel.main:
+                        run.log_metrics({f"val/{k}": v for k, v in final.items()}, step=step)
+        if val_batches and not final and (parallel.main or parallel.sharded):  # resumed after the last epoch ended
+            final = _evaluate(drafter, head, cache, val_batches, section, device)
+        weights = parallel.model_state(drafter)
         if not parallel.main:
             parallel.close()  # waits until the main process has written every output
             return {}
-        if val_batches and not final:  # resumed after the last epoch had ended
-            final = _evaluate(drafter, head, cache, val_batches, section, device)
+        if parallel.sharded:
+            drafter = Eagle3Drafter(drafter.config)
+            drafter.load_state_dict(weights)
         save_speculators(
             drafter.cpu(),
             out_dir,
@@ -443,14 +478,15 @@ def _steps(batches: list, per_step: int) -> list[list]:
     return [batches[start : start + per_step] for start in range(0, len(batches), per_step)]
 
 
-def _save_state(state_dir: Path, plan_key: str, step: int, drafter, optimizer, scheduler, noise_states) -> None:
-    """Everything a resume needs, written atomically (read back with ``weights_only=True``: no pickle code);
-    ``noise_states`` holds each process's noise generator state, by rank."""
+def _save_state(state_dir: Path, plan_key: str, step: int, weights, moments, scheduler, noise_states) -> None:
+    """Everything a resume needs, written atomically (read back with ``weights_only=True``: no pickle code):
+    the drafter's ``weights`` but the frozen embedding, the optimizer's ``moments``, and ``noise_states``, each
+    process's noise generator state, by rank."""
     state = {
         "plan_key": plan_key,
         "step": step,
-        "model": {k: v for k, v in drafter.state_dict().items() if k != "embed_tokens.weight"},
-        "optimizer": optimizer.state_dict(),
+        "model": {k: v for k, v in weights.items() if k != "embed_tokens.weight"},
+        "optimizer": moments,
         "scheduler": scheduler.state_dict(),
         "torch_rng": torch.get_rng_state(),
         "noise_rng": noise_states,
@@ -473,7 +509,7 @@ def _interned(value: Any) -> Any:
     return value
 
 
-def _resume(state_dir: Path, plan_key: str, drafter, optimizer, scheduler, noise, rank: int = 0) -> int:
+def _resume(state_dir: Path, plan_key: str, drafter, optimizer, scheduler, noise, parallel: DataParallel) -> int:
     """Restore the last state of this exact plan; any other state is ignored (a fresh start). Returns the step."""
     path = state_dir / "state.pt"
     if not path.is_file():
@@ -481,9 +517,8 @@ def _resume(state_dir: Path, plan_key: str, drafter, optimizer, scheduler, noise
     state = torch.load(path, weights_only=True, map_location="cpu")
     if state.get("plan_key") != plan_key:
         return 0
-    drafter.load_state_dict(state["model"], strict=False)
-    optimizer.load_state_dict(state["optimizer"])
+    parallel.load_states(drafter, optimizer, state["model"], state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["torch_rng"])
-    noise.set_state(state["noise_rng"][rank])
+    noise.set_state(state["noise_rng"][parallel.rank])
     return int(state["step"])

@@ -119,8 +119,8 @@ def test_flex_block_masks_give_the_dense_mask_result(length: int) -> None:
 
 @pytest.mark.gpu
 def test_compiled_cuda_training_step_matches_eager_gradients() -> None:
-    """compile_for_training (compiled layers, flex attention) gives the eager dense path's loss and gradients."""
-    from expman.objective import Packed, VerifierHead, ttt_loss
+    """The compiled training loss with flex attention gives the eager dense path's loss and gradients."""
+    from expman.objective import Packed, VerifierHead, compiled_ttt_loss, ttt_loss
 
     verifier = TINY_VERIFIER | {"hidden_size": 64, "intermediate_size": 128}  # flex's kernels need head_dim >= 16
     generator = torch.Generator().manual_seed(2)
@@ -142,8 +142,8 @@ def test_compiled_cuda_training_step_matches_eager_gradients() -> None:
         model = _drafter(verifier=verifier).cuda().train()
         model.t2d[: model.config.draft_vocab_size] = True
         if compiled:
-            model.compile_for_training()
-        loss, _ = ttt_loss(model, head, batch, steps=3, step_decay=0.8)
+            model.use_flex_attention()
+        loss, _ = (compiled_ttt_loss() if compiled else ttt_loss)(model, head, batch, steps=3, step_decay=0.8)
         loss.backward()
         results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
     (eager_loss, eager_grads), (compiled_loss, compiled_grads) = results

@@ -73,6 +73,21 @@ def test_valid_positions_follow_the_alignment(verifier, tiny_verifier_source: Pa
         assert metrics[f"positions_{k}"] == expected
 
 
+def test_padding_a_batch_changes_neither_loss_nor_metrics(verifier, tiny_verifier_source: Path) -> None:
+    """The compiled CUDA loss sees every batch padded to one length; the padding must stay out of the loss."""
+    drafter, head = _drafter(verifier, tiny_verifier_source, full_vocab=False)
+    batch = Packed.of([_document(verifier, 10, 4, seed=4), _document(verifier, 9, 2, seed=5)])
+    padded = batch.padded(32)
+    assert padded.input_ids.shape == (1, 32) and padded.aux.shape[:2] == (1, 32)
+    loss, tracked = ttt_loss(drafter, head, batch, steps=3, step_decay=0.8)
+    padded_loss, padded_tracked = ttt_loss(drafter, head, padded, steps=3, step_decay=0.8)
+    torch.testing.assert_close(padded_loss, loss)
+    metrics, padded_metrics = metric_values(tracked), metric_values(padded_tracked)
+    assert padded_metrics.keys() == metrics.keys()
+    for name, value in metrics.items():
+        assert padded_metrics[name] == pytest.approx(value, rel=1e-5), name
+
+
 def test_objective_trains(verifier, tiny_verifier_source: Path) -> None:
     drafter, head = _drafter(verifier, tiny_verifier_source, full_vocab=False)
     batch = Packed.of([_document(verifier, 40, 5, seed=s) for s in range(4)])

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -162,20 +164,26 @@ def test_missing_finetune_source_is_refused_before_training(project: Path) -> No
     assert not (project / paths.DRAFTER).exists()
 
 
-def _train_process(project: Path, accumulate: int, launcher: list[str]) -> dict[str, torch.Tensor]:
-    """Run the train stage's script from scratch with ``train.accumulate`` under ``launcher``; its weights."""
-    import subprocess
-    import sys
+TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+TRAIN_SCRIPT = Path(__file__).resolve().parents[1] / "stages/train.py"
 
+
+def _train_process(
+    project: Path, accumulate: int, launcher: list[str], fsdp: bool = False, script: Path = TRAIN_SCRIPT
+) -> dict[str, torch.Tensor]:
+    """Run the train stage's ``script`` from scratch with ``train.accumulate`` under ``launcher``; its weights."""
     for folder in (paths.DRAFTER, paths.TRAIN_STATE):
         shutil.rmtree(project / folder, ignore_errors=True)
     params = yaml.safe_load((project / "params.yaml").read_text())
-    params["train"].update(accumulate=accumulate, noise_std=0.0)
+    params["train"].update(accumulate=accumulate, noise_std=0.0, fsdp=fsdp)
     (project / "params.yaml").write_text(yaml.safe_dump(params))
-    script = Path(__file__).resolve().parents[1] / "stages/train.py"
-    done = subprocess.run([sys.executable, *launcher, str(script)], capture_output=True, text=True, cwd=project)
+    done = _run(launcher, script, project)
     assert done.returncode == 0, done.stderr[-3000:]
     return load_file(str(project / paths.DRAFTER / "model.safetensors"))
+
+
+def _run(launcher: list[str], script: Path, project: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *launcher, str(script)], capture_output=True, text=True, cwd=project)
 
 
 @pytest.mark.integration
@@ -184,13 +192,55 @@ def test_two_processes_under_torchrun_match_one_process_with_accumulation(projec
     run_until("vocab")
     single = _train_process(project, 2, [])
     steps = json.loads((project / paths.TRAIN_METRICS).read_text())["steps"]
-    pair = _train_process(project, 1, ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"])
+    pair = _train_process(project, 1, TORCHRUN)
     assert json.loads((project / paths.TRAIN_METRICS).read_text())["steps"] == steps
     assert single.keys() == pair.keys()
     moved = single["fc.weight"] - _train_process(project, 1, [])["fc.weight"]
     assert moved.abs().max() > 1e-4  # a different global batch trains differently: the comparison can fail
     for name, tensor in single.items():
         torch.testing.assert_close(pair[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
+
+
+CRASHING_TRAIN = """
+import runpy, sys
+from expman import train
+real, calls = train.ttt_loss, []
+def crash(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == {crash_at}:
+        sys.exit(3)  # as a kill would: no output, only the last checkpoint's state
+    return real(*args, **kwargs)
+train.ttt_loss = crash
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+@pytest.mark.integration
+def test_fsdp_matches_one_process_and_resumes_after_a_kill(project: Path, tmp_path: Path) -> None:
+    """FSDP over 2 processes (gloo on CPU), accumulate 1: the same updates as 1 process with accumulate 2, also
+    in a step where one process has no batch of its own; killed past a checkpoint, it resumes to the same end."""
+    run_until("vocab")
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["train"].update(epochs=3)  # odd micro-batch counts: some epoch ends in a step of one micro-batch
+    (project / "params.yaml").write_text(yaml.safe_dump(params))
+    single = _train_process(project, 2, [])
+    sharded = _train_process(project, 1, TORCHRUN, fsdp=True)
+    assert single.keys() == sharded.keys()
+    for name, tensor in single.items():
+        torch.testing.assert_close(sharded[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
+
+    crashing = tmp_path / "crashing_train.py"
+    crashing.write_text(CRASHING_TRAIN.format(crash_at=9, script=str(TRAIN_SCRIPT)))
+    shutil.rmtree(project / paths.DRAFTER)
+    shutil.rmtree(project / paths.TRAIN_STATE)
+    assert _run(TORCHRUN, crashing, project).returncode != 0
+    assert not (project / paths.DRAFTER).exists()
+    assert torch.load(project / paths.TRAIN_STATE / "state.pt", weights_only=True)["step"] >= 3
+    done = _run(TORCHRUN, TRAIN_SCRIPT, project)
+    assert done.returncode == 0, done.stderr[-3000:]
+    resumed = load_file(str(project / paths.DRAFTER / "model.safetensors"))
+    for name, tensor in sharded.items():
+        assert torch.equal(resumed[name], tensor), name
 
 
 def test_norm_before_residual_is_a_recipe_choice_the_export_records(project: Path) -> None:
