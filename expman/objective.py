@@ -49,7 +49,7 @@ class VerifierHead:
             try:
                 with safe_open(str(path), "pt") as handle:
                     for name in wanted & set(handle.keys()):
-                        found[name] = handle.get_tensor(name).float()
+                        found[name] = handle.get_tensor(name)  # in the stored dtype until the rows are chosen
             except SafetensorError as err:
                 raise ExpmanError(f"{path}: unreadable safetensors ({err}); rerun `dvc repro -f prepare`") from None
         if "lm_head.weight" not in found and config.get("tie_word_embeddings"):
@@ -65,7 +65,7 @@ class VerifierHead:
                 )
             lm_head = lm_head[t2d]
         eps = float(config.get("rms_norm_eps", 1e-6))
-        return cls(found["model.embed_tokens.weight"], found["model.norm.weight"], eps, lm_head)
+        return cls(found["model.embed_tokens.weight"].float(), found["model.norm.weight"].float(), eps, lm_head.float())
 
     def to(self, device: str, dtype: torch.dtype | None = None) -> VerifierHead:
         """On ``device``; with ``dtype`` the two vocab matrices are stored in it once (bf16 under CUDA autocast,
