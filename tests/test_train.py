@@ -93,6 +93,21 @@ def test_train_resumes_bit_identical(project: Path, monkeypatch: pytest.MonkeyPa
         assert torch.equal(resumed[name], tensor), name
 
 
+def test_noise_std_changes_the_training(project: Path) -> None:
+    """train.noise_std reaches the loss: the same run without noise ends with other weights."""
+    run_until("vocab")
+    trained = {}
+    for noise_std in (0.0, 0.05):
+        shutil.rmtree(project / paths.DRAFTER, ignore_errors=True)
+        shutil.rmtree(project / paths.TRAIN_STATE, ignore_errors=True)
+        params = yaml.safe_load((project / "params.yaml").read_text())
+        params["train"].update(noise_std=noise_std, epochs=1)
+        (project / "params.yaml").write_text(yaml.safe_dump(params))
+        run_train()
+        trained[noise_std] = load_file(str(project / paths.DRAFTER / "model.safetensors"))["fc.weight"]
+    assert (trained[0.05] - trained[0.0]).abs().max() > 1e-6
+
+
 def test_features_from_another_verifier_are_refused(project: Path) -> None:
     run_until("vocab")
     manifest_path = project / paths.EXTRACT / "manifest.json"
