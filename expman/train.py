@@ -296,6 +296,8 @@ def _evaluate(drafter, head, cache, batches, section, device) -> dict[str, float
     with torch.no_grad():
         for refs in batches:
             batch = cache.packed(refs, section.max_tokens, device)
+            if compiles(section, device):  # one shape for compiled flex attention, as in training
+                batch = batch.padded(section.max_tokens)
             metrics = metric_values(ttt_loss(drafter, head, batch, section.ttt_steps, section.step_loss_decay)[1])
             for k in range(section.ttt_steps):
                 for name in (f"loss_{k}", f"acc_{k}", f"cond_acc_{k}"):
