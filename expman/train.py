@@ -154,11 +154,12 @@ def training_step(
     the update is the mean over the whole global batch; ``fillers`` (FSDP's, see ``DataParallel.fillers``) run
     with weight 0. Metrics are this process's, averaged over its batches."""
     count = micro_batches or len(batches)
-    objective = compiled_ttt_loss() if compiles(section, device) else ttt_loss
+    compiled = compiles(section, device)
+    objective = compiled_ttt_loss() if compiled else ttt_loss
     optimizer.zero_grad(set_to_none=True)
     tracked_all = []
     for batch, weight in [(b, 1.0) for b in batches] + [(b, 0.0) for b in fillers]:
-        if objective is not ttt_loss:
+        if compiled:  # one shape for the compiled loss (flex attention has no dynamic shapes)
             batch = batch.padded(section.max_tokens)
         with torch.autocast("cuda", dtype=torch.bfloat16) if autocasts(section, device) else nullcontext():
             loss, tracked = objective(
