@@ -192,6 +192,9 @@ def extract_shard(capture: CaptureHooks, samples: list[dict[str, Any]], section:
 SAFETENSORS_DTYPES = {"int64": "I64", "float32": "F32", "int32": "I32", "bfloat16": "BF16", "bool": "BOOL"}
 
 
+WRITE_BLOCK = 64 << 20  # bytes per write and hash call: large enough to amortize the calls, small enough to overlap
+
+
 def save_streamed(tensors: dict[str, Any], path: Path, metadata: dict[str, str]) -> str:
     """Write ``tensors`` (CPU, contiguous) as a safetensors file straight from their memory, hashing the bytes as
     they go out; return the file's sha256.
@@ -200,8 +203,12 @@ def save_streamed(tensors: dict[str, Any], path: Path, metadata: dict[str, str])
     held (2 GiB per shard of an 8B verifier) and the file then has to be read back to be hashed, so the thread
     launching the verifier's kernels stalls and the GPU idles. Here each write and hash call gets a view of the
     tensor's memory and releases the GIL. The layout is the format's own (8-byte header length, JSON header padded
-    to 8 bytes, tensors back to back, in its order): the file is byte for byte what ``save_file`` writes."""
+    to 8 bytes, tensors back to back, in its order): the file is byte for byte what ``save_file`` writes.
+
+    The hash runs in a helper thread, block by block in file order, while this thread writes the blocks: sha256
+    (about 1.3 GB/s on one core) and the write then overlap instead of adding up."""
     import hashlib
+    from concurrent.futures import ThreadPoolExecutor
 
     import torch
 
@@ -218,11 +225,15 @@ def save_streamed(tensors: dict[str, Any], path: Path, metadata: dict[str, str])
         offset += view.nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)
+    blocks = [len(encoded).to_bytes(8, "little"), encoded]
+    blocks += [view[start : start + WRITE_BLOCK] for view in views for start in range(0, view.nbytes, WRITE_BLOCK)]
     digest = hashlib.sha256()
-    with open(path, "wb") as handle:
-        for block in (len(encoded).to_bytes(8, "little"), encoded, *views):
+    with ThreadPoolExecutor(1, thread_name_prefix="shard-hash") as hasher, open(path, "wb") as handle:
+        hashed = [hasher.submit(digest.update, block) for block in blocks]  # one worker: in order
+        for block in blocks:
             handle.write(block)
-            digest.update(block)
+        for future in hashed:
+            future.result()
     return digest.hexdigest()
 
 

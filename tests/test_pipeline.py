@@ -263,10 +263,14 @@ def test_a_failed_shard_write_fails_the_stage_and_leaves_no_manifest(
     assert not list((project / "data/extract/shards").glob("*.done.json"))
 
 
-def test_streamed_shards_read_back_as_safetensors_with_their_digest(tmp_path: Path) -> None:
+@pytest.mark.parametrize("block", [64 << 20, 8])
+def test_streamed_shards_read_back_as_safetensors_with_their_digest(tmp_path: Path, monkeypatch, block: int) -> None:
     """The shard writer's own safetensors layout: byte for byte what safetensors writes, for every dtype extract
-    writes, empty and 0-d tensors and metadata; the digest it returns is the file's sha256."""
+    writes, empty and 0-d tensors and metadata; the digest it returns (hashed in a helper thread, here also in
+    8-byte blocks, so in many calls that must stay in file order) is the file's sha256."""
     import hashlib
+
+    monkeypatch.setattr(extract_module, "WRITE_BLOCK", block)
 
     from safetensors import safe_open
     from safetensors.torch import save_file
