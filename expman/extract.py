@@ -112,15 +112,17 @@ class CaptureHooks:
         return hook
 
     def __call__(self, input_ids: Any, attention_mask: Any) -> tuple[Any, Any, Any]:
-        """Run the decoder stack and the lm_head; return (aux [B, T, 3H], final [B, T, H], top-1 [B, T] int32)."""
+        """Run the decoder stack and the lm_head; return (aux [B, T, 3H], final [B, T, H], top-1 [B, T] int32),
+        all on the device of the last hidden state (a verifier spread over GPUs keeps states on several)."""
         import torch
 
         self.states.clear()
         out = self.base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         normed = out.last_hidden_state
-        final = self.states["final"] if self.final_state == "pre_norm" else normed
-        aux = torch.cat([self.states[i] for i in self.aux_layers], dim=-1)
-        return aux, final, greedy_tokens(self.lm_head, normed).to(torch.int32)
+        device = normed.device
+        final = self.states["final"].to(device) if self.final_state == "pre_norm" else normed
+        aux = torch.cat([self.states[i].to(device) for i in self.aux_layers], dim=-1)
+        return aux, final, greedy_tokens(self.lm_head, normed).to(device, torch.int32)
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -171,9 +173,9 @@ def extract_shard(capture: CaptureHooks, samples: list[dict[str, Any]], section:
                 final_host[rows].copy_(final[r, : lengths[k]], non_blocking=on_gpu)
                 top1_host[rows].copy_(top1[r, : lengths[k]], non_blocking=on_gpu)
     copied = None
-    if on_gpu:
+    if on_gpu:  # the copies were queued on the stream of the device the states are on
         copied = torch.cuda.Event()
-        copied.record()
+        copied.record(torch.cuda.current_stream(aux.device))
     loss_mask = torch.zeros(int(offsets[-1]), dtype=torch.bool)
     for k, sample in enumerate(samples):
         loss_mask[int(offsets[k]) + sample["prompt_tokens"] : int(offsets[k + 1])] = True
@@ -340,7 +342,7 @@ def extract(params: Params, verifier_dir: Path, generated_dir: Path, out_dir: Pa
 
         def capture() -> CaptureHooks:
             if not loaded:
-                model = load_verifier(verifier_dir, device, resolve_dtype(section.dtype, device))
+                model = load_verifier(verifier_dir, device, resolve_dtype(section.dtype, device), section.gpus)
                 loaded.append(CaptureHooks(model, contract["aux_layers"], section.final_state))
             return loaded[0]
 

@@ -176,6 +176,9 @@ class ExtractParams(Section):
     """Where the (large, not DVC-cached) shards go; may be outside the project."""
     device: Device = "auto"
     dtype: Dtype = "auto"
+    gpus: PositiveInt = 1
+    """CUDA only: GPUs to spread the verifier's layers over, for a verifier that does not fit one. The layers run
+    one GPU after another, so this buys memory, not speed."""
 
     @field_validator("aux_layers")
     @classmethod

@@ -17,7 +17,15 @@ from expman.params import Params, resolve_package_file
 from expman.provenance import atomic_dir, read_manifest, sha256_file
 from expman.tracking import stage_run
 
-__all__ = ["load_tokenizer", "load_verifier", "prepare", "resolve_device", "resolve_dtype", "verifier_facts"]
+__all__ = [
+    "layer_split",
+    "load_tokenizer",
+    "load_verifier",
+    "prepare",
+    "resolve_device",
+    "resolve_dtype",
+    "verifier_facts",
+]
 
 
 def resolve_device(device: str) -> str:
@@ -149,16 +157,45 @@ def load_tokenizer(model_dir: Path) -> Any:
     return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=manifest["trust_remote_code"])
 
 
-def load_verifier(model_dir: Path, device: str, dtype: Any) -> Any:
-    """The prepared verifier in eval mode, safetensors only."""
+def layer_split(model_dir: Path, gpus: int, trust_remote_code: bool) -> dict[str, int]:
+    """A transformers ``device_map`` that spreads the decoder layers evenly over ``gpus`` GPUs, in order: the
+    decoder's other modules (embedding, rotary, final norm) on the first, the lm_head on the last (on the first
+    when it is tied to the embedding). Built from the model's own module names, on the meta device."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    decoder = skeleton.get_decoder()
+    prefix = next(name for name, module in skeleton.named_modules() if module is decoder)
+    count = len(decoder.layers)
+    device_map = {f"{prefix}.layers.{i}": i * gpus // count for i in range(count)}
+    device_map |= {f"{prefix}.{name}": 0 for name, _ in decoder.named_children() if name != "layers"}
+    last = 0 if getattr(config, "tie_word_embeddings", False) else gpus - 1
+    device_map |= {name: last for name, _ in skeleton.named_children() if name != prefix.split(".")[0]}
+    return device_map
+
+
+def load_verifier(model_dir: Path, device: str, dtype: Any, gpus: int = 1) -> Any:
+    """The prepared verifier in eval mode, safetensors only. With ``gpus`` > 1 its layers are spread over that many
+    GPUs (``layer_split``), for a verifier that does not fit one: a forward runs them one GPU after another."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     manifest = load_verifier_manifest(model_dir)
+    placement: dict[str, Any] = {}
+    if gpus > 1:
+        visible = torch.cuda.device_count() if device == "cuda" else 0
+        if visible < gpus:
+            raise ExpmanError(f"extract.gpus: {gpus} GPUs asked for, {visible} visible on device {device!r}")
+        placement["device_map"] = layer_split(model_dir, gpus, manifest["trust_remote_code"])
     model = AutoModelForCausalLM.from_pretrained(
         model_dir,
         dtype=dtype,
         use_safetensors=True,
         trust_remote_code=manifest["trust_remote_code"],
         attn_implementation="sdpa",
+        **placement,
     )
-    return model.to(device).eval()
+    return (model if placement else model.to(device)).eval()

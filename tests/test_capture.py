@@ -129,3 +129,57 @@ def test_pinned_shard_path_on_cuda_equals_cpu(tiny_verifier_source: Path) -> Non
         shards[device] = tensors
     for name, want in shards["cpu"].items():
         torch.testing.assert_close(shards["cuda"][name].float(), want.float(), rtol=1e-2, atol=1e-2, msg=name)
+
+
+@pytest.mark.parametrize("gpus", [2, 3])
+def test_layer_split_places_every_weight_and_spreads_the_layers_in_order(tiny_verifier_source: Path, gpus: int):
+    """extract.gpus: every weight of the verifier falls under one entry of the map; the 8 layers go to the GPUs in
+    order and evenly; the embedding sits on the first GPU, the (untied) lm_head on the last."""
+    from expman.verifier import layer_split
+
+    device_map = layer_split(tiny_verifier_source, gpus, trust_remote_code=False)
+    model = AutoModelForCausalLM.from_pretrained(tiny_verifier_source)
+    for name, _ in model.named_parameters():
+        owners = [key for key in device_map if name.startswith(key + ".")]
+        assert len(owners) == 1, name
+    layers = [device_map[f"model.layers.{i}"] for i in range(8)]
+    assert layers == sorted(layers) and set(layers) == set(range(gpus))
+    assert max(layers.count(g) for g in range(gpus)) - min(layers.count(g) for g in range(gpus)) <= 1
+    assert device_map["model.embed_tokens"] == 0 and device_map["lm_head"] == gpus - 1
+
+
+def test_more_gpus_than_visible_is_refused_before_loading(tiny_verifier_source: Path, tmp_path: Path) -> None:
+    from expman.errors import ExpmanError
+    from expman.verifier import load_verifier
+
+    (tmp_path / "manifest.json").write_text('{"stage": "prepare", "trust_remote_code": false}')
+    with pytest.raises(ExpmanError, match=r"extract.gpus: 64 GPUs asked for, \d+ visible"):
+        load_verifier(tmp_path, "cuda" if torch.cuda.is_available() else "cpu", torch.float32, gpus=64)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_verifier_split_over_two_gpus_extracts_what_one_gpu_does(tiny_verifier_source: Path) -> None:
+    """extract.gpus: 2: the states of layers on different GPUs are gathered on one, and the event that guards the
+    pinned host copies is recorded on that GPU's stream, so the shard equals the one-GPU shard exactly."""
+    from expman.extract import extract_shard
+    from expman.params import ExtractParams
+    from expman.verifier import layer_split
+
+    generator = torch.Generator().manual_seed(2)
+    samples = [
+        {"id": f"s{k}", "ids": torch.randint(5, 100, (n,), generator=generator).tolist(), "prompt_tokens": 2}
+        for k, n in enumerate([40, 33, 33, 20, 7])
+    ]
+    section = ExtractParams(batch_tokens=80)
+    placements = {"one": {"device_map": {"": 0}}, "two": {"device_map": layer_split(tiny_verifier_source, 2, False)}}
+    shards = {}
+    for name, placement in placements.items():
+        model = AutoModelForCausalLM.from_pretrained(tiny_verifier_source, dtype=torch.float32, **placement).eval()
+        capture = CaptureHooks(model, [1, 4, 7], "pre_norm")  # aux layers on both GPUs
+        tensors, copied = extract_shard(capture, samples, section, "cuda")
+        copied.synchronize()
+        shards[name] = tensors
+    assert {p.device.index for p in model.parameters()} == {0, 1}
+    for name, want in shards["one"].items():
+        assert torch.equal(shards["two"][name], want), name
