@@ -103,7 +103,7 @@ def _disk_write_bandwidth(folder: Path, file_bytes: int, files: int) -> float:
 @click.option("--gpu", is_flag=True, help="Llama-3.1-8B's shape with random weights on CUDA")
 @click.option("--shape", type=click.Choice(sorted(SHAPES)), default="llama3-8b", show_default=True, help="with --gpu")
 @click.option("--samples", type=int, help="sequences in all  [default: 8 on CPU, 768 with --gpu]")
-@click.option("--samples-per-shard", type=int, help="[default: 8 on CPU, 16 with --gpu]")
+@click.option("--samples-per-shard", default=8, show_default=True, help="8 × 2048 tokens of Llama-3.1-8B: 0.5 GiB")
 @click.option("--length", type=int, help="tokens per sequence  [default: 512 on CPU, 2048 with --gpu]")
 @click.option("--batch-tokens", type=int, help="[default: 4096 on CPU, 8192 with --gpu]")
 @click.option("--naive-samples", default=8, show_default=True)
@@ -115,7 +115,7 @@ def main(
     gpu: bool,
     shape: str,
     samples: int | None,
-    samples_per_shard: int | None,
+    samples_per_shard: int,
     length: int | None,
     batch_tokens: int | None,
     naive_samples: int,
@@ -125,13 +125,13 @@ def main(
 ) -> None:
     if gpu:
         device, dtype, model = "cuda", torch.bfloat16, _random_verifier(shape)
-        samples, samples_per_shard = samples or 768, samples_per_shard or 16
+        samples = samples or 768
         length, batch_tokens = length or 2048, batch_tokens or 8192
     else:
         device = resolve_device("auto")
         dtype = resolve_dtype("auto", device)
         model = load_verifier(verifier or Path("models/verifier"), device, dtype)
-        samples, samples_per_shard = samples or 8, samples_per_shard or 8
+        samples = samples or 8
         length, batch_tokens = length or 512, batch_tokens or 4096
     config = model.config
     section = ExtractParams(batch_tokens=batch_tokens, samples_per_shard=samples_per_shard)

@@ -76,7 +76,7 @@ def capture_contract(verifier: dict[str, Any], section: ExtractParams) -> dict[s
     }
 
 
-LOGIT_CHUNK_TOKENS = 2048  # full-vocab logits exist for this many tokens at a time (128K-vocab bf16: 512 MiB)
+LOGIT_CHUNK_TOKENS = 4096  # full-vocab logits exist for this many tokens at a time (128K-vocab bf16: 1 GiB)
 
 
 def greedy_tokens(lm_head: Any, normed: Any) -> Any:
