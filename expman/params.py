@@ -187,6 +187,13 @@ class ExtractParams(Section):
             raise ValueError("EAGLE-3 needs exactly 3 distinct layer indices")
         return value
 
+    @field_validator("gpus")
+    @classmethod
+    def _gpus_need_cuda(cls, value: int, info: ValidationInfo) -> int:
+        if value > 1 and info.data.get("device") == "cpu":
+            raise ValueError(f"{value} GPUs need extract.device cuda or auto, not cpu")
+        return value
+
 
 class VocabParams(Section):
     """vocab: draft vocabulary by frequency of loss-masked (assistant) tokens."""

@@ -54,6 +54,7 @@ BAD = [
     ("extract.final_state", "middle", "extract.final_state:"),
     ("extract.max_seq_len", 0, "extract.max_seq_len:"),
     ("extract.device", "tpu", "extract.device:"),
+    ("extract.gpus", 0, "extract.gpus: Input should be greater than or equal to 1"),
     ("vocab.draft_vocab_size", -5, "vocab.draft_vocab_size"),
     ("vocab.draft_vocab_size", "big", "vocab.draft_vocab_size"),
     ("prepare.source", "missing/model", "prepare.source: not found: missing/model"),
@@ -78,6 +79,14 @@ def test_bad_value_names_its_key(project: Path, key: str, value: object, expecte
     assert expected in message
     assert "\n" not in message
     assert sorted(p.name for p in project.iterdir()) == before
+
+
+def test_extract_over_several_gpus_on_cpu_is_refused(project: Path) -> None:
+    data = yaml.safe_load((project / "params.yaml").read_text())
+    data["extract"] |= {"device": "cpu", "gpus": 2}
+    (project / "bad.yaml").write_text(yaml.safe_dump(data))
+    with pytest.raises(ExpmanError, match="bad.yaml: extract.gpus: .*2 GPUs need extract.device cuda or auto"):
+        load_params("bad.yaml")
 
 
 @pytest.mark.parametrize(
