@@ -50,7 +50,7 @@ def _worker(
     shape = SHAPES[shape_name]
     section = TrainParams(ttt_steps=ttt, max_tokens=tokens, noise_std=0.0, accumulate=accumulate, fsdp=fsdp)
     drafter, head = random_drafter(shape, section, draft_vocab, "cuda")
-    drafter = parallel.shard(drafter, "cuda")
+    drafter = parallel.shard(drafter, "cuda", torch.bfloat16)
     optimizer, scheduler = new_optimizer(drafter, section, total_steps=warmup + steps)
     noise = torch.Generator(device="cuda").manual_seed(parallel.rank)
     losses, times = [], []

@@ -50,20 +50,23 @@ class DataParallel:
         """The process that logs to MLflow and writes checkpoints, metrics and the manifest."""
         return self.rank == 0
 
-    def shard(self, model: torch.nn.Module, device: str) -> torch.nn.Module:
+    def shard(self, model: torch.nn.Module, device: str, compute_dtype: torch.dtype | None = None) -> torch.nn.Module:
         """Under FSDP, shard ``model``'s trainable weights in place, as one unit: each forward all-gathers them
         once and keeps them until the backward is done (the TTT unroll calls every layer once per step; a unit
         per layer would also re-pack the KV-cache lists the layers append to). Frozen weights (the embedding)
         stay whole on every process: sharding them would only add an all-gather per step. Gradients are
-        reduce-scattered as sums, not averages."""
+        reduce-scattered as sums, not averages. With ``compute_dtype`` (bf16 under autocast) the weights are
+        gathered and their gradients computed in it, half the memory of fp32 copies, and the gradients are
+        reduced into the fp32 shards in fp32."""
         if not self.sharded:
             return model
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         frozen = {p for p in model.parameters() if not p.requires_grad}
         mesh = init_device_mesh(device, (self.world,))
-        fully_shard(model, mesh=mesh, reshard_after_forward=False, ignored_params=frozen)
+        policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        fully_shard(model, mesh=mesh, reshard_after_forward=False, ignored_params=frozen, mp_policy=policy)
         model.set_gradient_divide_factor(1.0)
         model.set_force_sum_reduction_for_comms(True)  # a plain sum: gloo has no pre-multiplied sum
         return model

@@ -361,7 +361,7 @@ def train(
     drafter = _new_drafter(verifier_dir, head, contract, vocab, section)
     if section.finetune_from:
         drafter = start_from(drafter, section, head)
-    drafter = parallel.shard(drafter.to(device), device)
+    drafter = parallel.shard(drafter.to(device), device, torch.bfloat16 if autocasts(section, device) else None)
     if compiles(section, device):
         drafter.use_flex_attention()
     head = head.to(device, torch.bfloat16 if autocasts(section, device) else None)
