@@ -361,10 +361,11 @@ def train(
     drafter = _new_drafter(verifier_dir, head, contract, vocab, section)
     if section.finetune_from:
         drafter = start_from(drafter, section, head)
-    drafter = parallel.shard(drafter.to(device), device, torch.bfloat16 if autocasts(section, device) else None)
+    compute_dtype = torch.bfloat16 if autocasts(section, device) else None
+    drafter = parallel.shard(drafter.to(device), device, compute_dtype)
     if compiles(section, device):
         drafter.use_flex_attention()
-    head = head.to(device, torch.bfloat16 if autocasts(section, device) else None)
+    head = head.to(device, compute_dtype)
     per_step = section.accumulate * parallel.world  # micro-batches of one optimizer step on all processes
     plans = [
         _steps(batch_plan(train_refs, section.max_tokens, section.seed, epoch), per_step)
