@@ -212,6 +212,9 @@ class TrainParams(Section):
     noise_std: float = Field(default=0.05, ge=0.0)
     """Uniform noise of this half-width added to the aux states (training only)."""
     num_layers: PositiveInt = 1
+    fc_init: Literal["random", "top_aux"] = "random"
+    """How a from-scratch drafter's ``fc`` (3H -> H) starts: random, or passing the highest aux layer's state
+    through unchanged (the drafter begins from the verifier's own top captured state)."""
     norm_before_residual: StrictBool = False
     """Whether the first layer's residual is the normed hidden state (vLLM's default when a config omits the
     key) or the raw one (speculators' and SpecForge's default); exports always write it."""

@@ -232,6 +232,11 @@ def _new_drafter(
         drafter.d2t.copy_(vocab["d2t"])
         drafter.t2d.copy_(vocab["t2d"])
         drafter.lm_head.weight.copy_(head.lm_head)  # start from the verifier's own rows of the draft vocab
+        if section.fc_init == "top_aux":  # fc passes the highest captured layer's state through
+            aux, hidden = contract["aux_layers"], drafter.fc.out_features
+            top = aux.index(max(aux)) * hidden
+            drafter.fc.weight.zero_()
+            drafter.fc.weight[:, top : top + hidden] = torch.eye(hidden)
     return drafter
 
 

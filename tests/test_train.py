@@ -17,6 +17,7 @@ from expman import paths
 from expman import train as train_module
 from expman.checkpoint import load_drafter
 from expman.errors import ExpmanError
+from expman.objective import VerifierHead
 from expman.params import load_params
 from expman.train import train
 from tests.test_pipeline import run_until
@@ -106,6 +107,29 @@ def test_noise_std_changes_the_training(project: Path) -> None:
         run_train()
         trained[noise_std] = load_file(str(project / paths.DRAFTER / "model.safetensors"))["fc.weight"]
     assert (trained[0.05] - trained[0.0]).abs().max() > 1e-6
+
+
+def test_fc_init_top_aux_passes_the_highest_captured_layer_through(project: Path) -> None:
+    """train.fc_init: top_aux starts fc as the identity on the highest aux layer, wherever the list puts it."""
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["extract"]["aux_layers"] = [5, 1, 3]
+    (project / "params.yaml").write_text(yaml.safe_dump(params))
+    run_until("vocab")
+    section = load_params("params.yaml").train
+    contract = json.loads((project / paths.EXTRACT / "manifest.json").read_text())["contract"]
+    vocab = load_file(str(project / paths.VOCAB / "vocab.safetensors"))
+    head = VerifierHead.load(paths.VERIFIER, vocab["t2d"])
+    drafters = {
+        init: train_module._new_drafter(
+            paths.VERIFIER, head, contract, vocab, section.model_copy(update={"fc_init": init})
+        )
+        for init in ("random", "top_aux")
+    }
+    hidden = drafters["random"].fc.out_features
+    aux = torch.randn(4, 3 * hidden)
+    with torch.no_grad():
+        assert torch.equal(drafters["top_aux"].fc(aux), aux[:, :hidden])  # layer 5 is listed first
+        assert not torch.allclose(drafters["random"].fc(aux), aux[:, :hidden], atol=1e-2)
 
 
 def test_features_from_another_verifier_are_refused(project: Path) -> None:
