@@ -92,7 +92,8 @@ def main(name: str, changes: dict[str, Any], sample_share: float, params_file: s
         "command": "python benchmarks/recipe_screen.py --name "
         + name
         + "".join(f" --set {k}={json.dumps(v)}" for k, v in changes.items())
-        + (f" --sample-share {sample_share}" if sample_share != 1.0 else ""),
+        + (f" --sample-share {sample_share}" if sample_share != 1.0 else "")
+        + f" --out {out}",
         "preset": params.preset,
         "changes": changes,
         "sample_share": sample_share,
