@@ -147,8 +147,8 @@ def training_step(
     parallel: DataParallel | None = None,
     fillers: list[Packed] = (),
 ) -> dict[str, float]:
-    """One optimizer step over this process's micro-batches ``batches``: TTT loss (bf16 autocast on CUDA) and
-    backward for each, gradients summed across processes, clip, AdamW, schedule.
+    """One optimizer step over this process's micro-batches ``batches``: TTT loss (bf16 autocast where ``autocasts``)
+    and backward for each, gradients summed across processes, clip, AdamW, schedule.
 
     Each loss is scaled by 1 / ``micro_batches``, the step's micro-batches on all processes (default: these), so
     the update is the mean over the whole global batch; ``fillers`` (FSDP's, see ``DataParallel.fillers``) run
@@ -161,7 +161,7 @@ def training_step(
     for batch, weight in [(b, 1.0) for b in batches] + [(b, 0.0) for b in fillers]:
         if compiled:  # one shape for the compiled loss (flex attention has no dynamic shapes)
             batch = batch.padded(section.max_tokens)
-        with torch.autocast("cuda", dtype=torch.bfloat16) if autocasts(section, device) else nullcontext():
+        with torch.autocast(device, dtype=torch.bfloat16) if autocasts(section, device) else nullcontext():
             loss, tracked = objective(
                 drafter, head, batch, section.ttt_steps, section.step_loss_decay, section.noise_std, noise
             )
@@ -183,8 +183,8 @@ def training_step(
 
 
 def autocasts(section: TrainParams, device: str) -> bool:
-    """bf16 autocast: on CUDA unless ``train.dtype`` asks for float32."""
-    return device == "cuda" and section.dtype != "float32"
+    """bf16 autocast: on CUDA unless ``train.dtype`` asks for float32; on CPU only when it asks for bfloat16."""
+    return section.dtype == "bfloat16" or (device == "cuda" and section.dtype != "float32")
 
 
 def compiles(section: TrainParams, device: str) -> bool:

@@ -132,6 +132,36 @@ def test_fc_init_top_aux_passes_the_highest_captured_layer_through(project: Path
         assert not torch.allclose(drafters["random"].fc(aux), aux[:, :hidden], atol=1e-2)
 
 
+def test_bfloat16_on_cpu_trains_under_autocast_with_fp32_weights(
+    project: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """train.dtype: bfloat16 runs the CPU matmuls in bf16 (autocast); auto stays fp32 there. Weights stay fp32."""
+    run_until("vocab")
+    seen: dict[str, set] = {}
+    real = train_module.training_step
+
+    def recording(drafter, *args, **kwargs):
+        hook = drafter.fc.register_forward_hook(lambda _m, _i, out: seen[dtype].add(out.dtype))
+        try:
+            return real(drafter, *args, **kwargs)
+        finally:
+            hook.remove()
+
+    monkeypatch.setattr(train_module, "training_step", recording)
+    for dtype in ("auto", "bfloat16"):
+        seen[dtype] = set()
+        shutil.rmtree(project / paths.DRAFTER, ignore_errors=True)
+        shutil.rmtree(project / paths.TRAIN_STATE, ignore_errors=True)
+        params = yaml.safe_load((project / "params.yaml").read_text())
+        params["train"].update(dtype=dtype, epochs=1)
+        (project / "params.yaml").write_text(yaml.safe_dump(params))
+        metrics = run_train()["metrics"]
+        assert 1.0 <= metrics["sim_tau_k3"] <= 4.0
+        weights = load_file(str(project / paths.DRAFTER / "model.safetensors"))
+        assert {w.dtype for w in weights.values() if w.is_floating_point()} == {torch.float32}
+    assert seen == {"auto": {torch.float32}, "bfloat16": {torch.bfloat16}}
+
+
 def test_features_from_another_verifier_are_refused(project: Path) -> None:
     run_until("vocab")
     manifest_path = project / paths.EXTRACT / "manifest.json"
