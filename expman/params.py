@@ -247,7 +247,7 @@ class TrainParams(Section):
     device: Device = "auto"
     dtype: Dtype = "auto"
     """auto: float32 on CPU, bfloat16 autocast on CUDA. bfloat16 autocasts on CPU too: on a CPU with AVX512-BF16
-    the same run trains in about 0.73x the time at the same held-out tau (benchmarks/results/quality_tuning.json);
+    the same run trains in 0.73-0.78x the time at the same held-out tau (benchmarks/results/quality_tuning.json);
     weights and optimizer state stay float32 either way."""
     compile: Literal["auto"] | StrictBool = "auto"
     """torch.compile the training loss as one program and use block-sparse flex attention; auto: on CUDA only."""
