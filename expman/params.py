@@ -245,7 +245,7 @@ class TrainParams(Section):
     finetune_layer_convention: Literal["vllm", "sglang"] | None = None
     """For an EAGLE-format source that does not record its aux-id convention (e.g. AQ-MedAI's)."""
     device: Device = "auto"
-    dtype: Dtype = "auto"
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """auto: float32 on CPU, bfloat16 autocast on CUDA. bfloat16 autocasts on CPU too: on a CPU with AVX512-BF16
     the same run trains in 0.73-0.78x the time at the same held-out tau (benchmarks/results/quality_tuning.json);
     weights and optimizer state stay float32 either way."""

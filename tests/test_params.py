@@ -62,6 +62,8 @@ BAD = [
     ("prepare.source", "params.yaml", "prepare.source: params.yaml is neither"),
     ("prepare.trust_remote_code", "yes", "prepare.trust_remote_code:"),
     ("prepare.save_dtype", "int8", "prepare.save_dtype:"),
+    ("train.dtype", "float16", "train.dtype: Input should be 'auto', 'float32' or 'bfloat16'"),
+    ("baseline.train.dtype", "float16", "baseline.train.dtype:"),
 ]
 
 
