@@ -183,8 +183,8 @@ def training_step(
 
 
 def autocasts(section: TrainParams, device: str) -> bool:
-    """bf16 autocast: on CUDA unless ``train.dtype`` asks for float32; on CPU only when it asks for bfloat16."""
-    return section.dtype == "bfloat16" or (device == "cuda" and section.dtype != "float32")
+    """bf16 autocast: where ``train.dtype`` asks for bfloat16, and under ``auto`` on CUDA."""
+    return section.dtype == "bfloat16" or (section.dtype == "auto" and device == "cuda")
 
 
 def compiles(section: TrainParams, device: str) -> bool:
