@@ -1,0 +1,128 @@
+"""What one speculative round costs in the reference evaluator, against one plain decoding step, on this machine.
+
+The evaluator's speedup is tau / (round cost / plain step): a round is the drafter's k steps plus one verifier
+forward over k + 1 tokens plus the drafter's cache extension. This times those parts with the evaluator's own
+classes (``expman.evaluate.VerifierSession`` and ``DrafterSession``) on a verifier shape with random weights (the
+cost does not depend on the weights), after a context of ``--context`` tokens, for each ``--dtype``; it reports
+each part in ms, the round cost per k as a multiple of the plain step, and the tau that k needs for a speedup of 1
+and of 1.3 (the quality goal).
+
+  python benchmarks/round_cost.py --out benchmarks/results/round_cost_cpu.json
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import click
+import torch
+from reporting import SHAPES, cpu_name, write_report
+
+from expman.drafter import DrafterConfig, Eagle3Drafter
+from expman.evaluate import DrafterSession, VerifierSession
+from expman.extract import default_aux_layers
+from expman.provenance import package_versions
+
+
+def _median_ms(parts: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median wall time of each part in ms. The parts take turns, one call each per repeat (after two warm-up
+    turns), so a slow spell of the machine hits them alike."""
+    times: dict[str, list[float]] = {name: [] for name in parts}
+    for turn in range(repeats + 2):
+        for name, run in parts.items():
+            started = time.perf_counter()
+            run()
+            if turn >= 2:
+                times[name].append(time.perf_counter() - started)
+    return {name: statistics.median(values) * 1e3 for name, values in times.items()}
+
+
+def _verifier(shape: dict, dtype: torch.dtype) -> object:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**shape, tie_word_embeddings=True, attn_implementation="sdpa")
+    return LlamaForCausalLM(config).to(dtype).eval()
+
+
+def _drafter(shape: dict, draft_vocab: int, embedding: torch.Tensor) -> Eagle3Drafter:
+    aux_layers = default_aux_layers(shape["num_hidden_layers"])
+    drafter = Eagle3Drafter(DrafterConfig.from_verifier(shape, draft_vocab, aux_layers)).eval()
+    drafter.embed_tokens.weight.data = embedding.float()
+    drafter.t2d[:draft_vocab] = True  # d2t stays 0: draft id i is target id i
+    return drafter
+
+
+@torch.inference_mode()
+def measure(shape: dict, dtype: torch.dtype, draft_vocab: int, context: int, ks: list[int], repeats: int) -> dict:
+    """Per-part costs in ms and the round cost per k, for one verifier dtype (the drafter runs in float32, as in
+    the evaluator)."""
+    torch.manual_seed(0)
+    model = _verifier(shape, dtype)
+    drafter = _drafter(shape, draft_vocab, model.get_input_embeddings().weight)
+    prompt = torch.randint(0, shape["vocab_size"], (context,)).tolist()
+    verifier = VerifierSession(model, drafter.config.aux_layer_ids)
+    _, aux = verifier.feed(prompt, with_aux=True, last_only=True)
+
+    def forward(tokens: int, with_aux: bool) -> None:
+        verifier.feed(prompt[:tokens], with_aux=with_aux)
+        verifier.crop(context)
+
+    session = DrafterSession(drafter)
+    hidden = session.extend(aux, prompt[1:] + prompt[:1])
+
+    def extend(tokens: int) -> None:
+        session.extend(aux[:tokens], prompt[:tokens])
+        session.length = context
+
+    parts: dict[str, Callable[[], object]] = {"plain": lambda: forward(1, False)}
+    for k in ks:
+        parts[f"verify {k + 1}"] = lambda k=k: forward(k + 1, True)
+        parts[f"draft {k}"] = lambda k=k: session.draft(hidden, k, 0.0, None)
+        # a round extends the drafter by accepted + 1 positions; k + 1 (all accepted) is the dearest
+        parts[f"extend {k + 1}"] = lambda k=k: extend(k + 1)
+    ms = _median_ms(parts, repeats)
+    plain = ms["plain"]
+    rounds = {}
+    for k in ks:
+        cost = (ms[f"verify {k + 1}"] + ms[f"draft {k}"] + ms[f"extend {k + 1}"]) / plain
+        rounds[str(k)] = {"round_over_plain_step": cost, "tau_for_speedup_1_3": 1.3 * cost}
+    return {
+        "plain_step_ms": plain,
+        "part_ms": {name: value for name, value in ms.items() if name != "plain"},
+        "per_k": rounds,
+    }
+
+
+@click.command()
+@click.option("--shape", type=click.Choice(sorted(SHAPES)), default="smollm2-135m", show_default=True)
+@click.option("--dtype", "dtypes", multiple=True, default=["float32", "bfloat16"], show_default=True)
+@click.option("--draft-vocab", type=int, default=8192, show_default=True)
+@click.option("--context", type=int, default=160, show_default=True, help="tokens already in the KV cache")
+@click.option("--k", "ks", type=int, multiple=True, default=[1, 2, 3, 4], show_default=True)
+@click.option("--repeats", type=int, default=40, show_default=True)
+@click.option("--out", type=click.Path(path_type=Path))
+def main(
+    shape: str, dtypes: tuple[str, ...], draft_vocab: int, context: int, ks: tuple[int, ...], repeats: int, out: Path
+) -> None:
+    report = {
+        "benchmark": "round_cost",
+        "device": cpu_name(),
+        "cpu_threads": torch.get_num_threads(),
+        "shape": shape,
+        "draft_vocab": draft_vocab,
+        "context": context,
+        "repeats": repeats,
+        "verifier_dtypes": {
+            name: measure(SHAPES[shape], getattr(torch, name), draft_vocab, context, list(ks), repeats)
+            for name in dtypes
+        },
+        "packages": package_versions(),
+    }
+    write_report(report, out)
+
+
+if __name__ == "__main__":
+    main()
