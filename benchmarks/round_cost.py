@@ -4,8 +4,8 @@ The evaluator's speedup is tau / (round cost / plain step): a round is the draft
 forward over k + 1 tokens plus the drafter's cache extension. This times those parts with the evaluator's own
 classes (``expman.evaluate.VerifierSession`` and ``DrafterSession``) on a verifier shape with random weights (the
 cost does not depend on the weights), after a context of ``--context`` tokens, for each ``--dtype``; it reports
-each part in ms, the round cost per k as a multiple of the plain step, and the tau that k needs for a speedup of 1
-and of 1.3 (the quality goal).
+each part in ms, the round cost per k as a multiple of the plain step (the tau that k needs to break even), and the
+tau that k needs for a speedup of 1.3 (the quality goal).
 
   python benchmarks/round_cost.py --out benchmarks/results/round_cost_cpu.json
 """
