@@ -179,14 +179,22 @@ def _engine(bench: dict, arm: str) -> dict[str, Any]:
 @click.option(
     "--work", type=click.Path(file_okay=False, path_type=Path), default=Path("data/quality"), show_default=True
 )
+@click.option(
+    "--peer-budget-s",
+    type=float,
+    help="The peer's training budget; default: the scratch drafter's training time. The peer turns it into whole "
+    "epochs from its first steps' time, so when that leaves most of an epoch unused, give it more and compare the "
+    "training times it reports (seconds.peer_train against seconds.scratch_train).",
+)
 @click.option("--out", type=click.Path(path_type=Path), required=True)
-def main(peer: Path, preset: str, work: Path, out: Path) -> None:
+def main(peer: Path, preset: str, work: Path, peer_budget_s: float | None, out: Path) -> None:
     repro = _step(work / "repro.json", lambda: _repro(preset))
     params = load_params("params.yaml")
     if params.preset != preset:
         raise click.ClickException(f"params.yaml: preset is {params.preset!r} after the run, not {preset!r}")
     scratch = _step(work / "scratch.json", lambda: _scratch(params, work / "scratch"))
-    theirs = _step(work / "peer.json", lambda: _peer(params, peer, work / "peer", scratch["train_s"]))
+    budget_s = scratch["train_s"] if peer_budget_s is None else peer_budget_s
+    theirs = _step(work / "peer.json", lambda: _peer(params, peer, work / "peer", budget_s))
 
     evaluation = json.loads((paths.EVALUATE / "evaluation.json").read_text())
     bench = json.loads((paths.BENCHMARK / "benchmark.json").read_text())

@@ -3,9 +3,9 @@
 The evaluator's speedup is tau / (round cost / plain step): a round is the drafter's k steps plus one verifier
 forward over k + 1 tokens plus the drafter's cache extension. This times those parts with the evaluator's own
 classes (``expman.evaluate.VerifierSession`` and ``DrafterSession``) on a verifier shape with random weights (the
-cost does not depend on the weights), after a context of ``--context`` tokens, for each ``--dtype``; it reports
-each part in ms, the round cost per k as a multiple of the plain step (the tau that k needs to break even), and the
-tau that k needs for a speedup of 1.3 (the quality goal).
+cost does not depend on the weights), after a context of ``--context`` tokens, for each ``--dtype`` (of verifier
+and drafter alike, as in the evaluator); it reports each part in ms, the round cost per k as a multiple of the plain
+step (the tau that k needs to break even), and the tau that k needs for a speedup of 1.3 (the quality goal).
 
   python benchmarks/round_cost.py --out benchmarks/results/round_cost_cpu.json
 """
@@ -47,21 +47,20 @@ def _verifier(shape: dict, dtype: torch.dtype) -> object:
     return LlamaForCausalLM(config).to(dtype).eval()
 
 
-def _drafter(shape: dict, draft_vocab: int, embedding: torch.Tensor) -> Eagle3Drafter:
+def _drafter(shape: dict, draft_vocab: int, embedding: torch.Tensor, dtype: torch.dtype) -> Eagle3Drafter:
     aux_layers = default_aux_layers(shape["num_hidden_layers"])
     drafter = Eagle3Drafter(DrafterConfig.from_verifier(shape, draft_vocab, aux_layers)).eval()
     drafter.embed_tokens.weight.data = embedding.float()
     drafter.t2d[:draft_vocab] = True  # d2t stays 0: draft id i is target id i
-    return drafter
+    return drafter.to(dtype)
 
 
 @torch.inference_mode()
 def measure(shape: dict, dtype: torch.dtype, draft_vocab: int, context: int, ks: list[int], repeats: int) -> dict:
-    """Per-part costs in ms and the round cost per k, for one verifier dtype (the drafter runs in float32, as in
-    the evaluator)."""
+    """Per-part costs in ms and the round cost per k, for one compute dtype of verifier and drafter."""
     torch.manual_seed(0)
     model = _verifier(shape, dtype)
-    drafter = _drafter(shape, draft_vocab, model.get_input_embeddings().weight)
+    drafter = _drafter(shape, draft_vocab, model.get_input_embeddings().weight, dtype)
     prompt = torch.randint(0, shape["vocab_size"], (context,)).tolist()
     verifier = VerifierSession(model, drafter.config.aux_layer_ids)
     _, aux = verifier.feed(prompt, with_aux=True, last_only=True)
@@ -115,7 +114,7 @@ def main(
         "draft_vocab": draft_vocab,
         "context": context,
         "repeats": repeats,
-        "verifier_dtypes": {
+        "dtypes": {
             name: measure(SHAPES[shape], getattr(torch, name), draft_vocab, context, list(ks), repeats)
             for name in dtypes
         },

@@ -292,7 +292,9 @@ class EvaluateParams(Section):
     """The baseline arm's drafter folder; null = only no-speculation and the candidate."""
     device: Device = "auto"
     dtype: Dtype = "auto"
-    """auto: float32 on CPU (bf16 matmuls are ~6x slower there), bfloat16 on CUDA."""
+    """Compute dtype of the verifier and the drafters; auto: float32 on CPU (bf16 matmuls are ~6x slower on AVX2),
+    bfloat16 on CUDA. On a CPU with AVX512-BF16 bfloat16 is the faster one (benchmarks/results/round_cost_cpu.json);
+    outputs then equal greedy up to bf16 ties, which are counted apart from mismatches."""
 
     @field_validator("ks")
     @classmethod

@@ -12,7 +12,9 @@ import torch
 
 from expman.drafter import DrafterConfig, Eagle3Drafter
 from expman.evaluate import (
+    TIE_ULPS,
     DrafterSession,
+    GreedyReference,
     _accept,
     greedy_decode,
     select_prompts,
@@ -58,12 +60,39 @@ def test_speculative_output_equals_greedy_and_tau_is_in_range(verifier, k: int) 
     for prompt in _prompts():
         reference = greedy_decode(verifier, prompt, 24, eos)
         tokens, stats = speculative_decode(verifier, drafter, prompt, k, 24, eos)
-        assert tokens == reference
+        assert tokens == reference.tokens and reference.divergence(tokens) is None
         tau = (stats.accepted + stats.rounds) / stats.rounds
         assert 1.0 <= tau <= k + 1
         assert stats.drafted == k * stats.rounds
         assert stats.accepted_per_position == sorted(stats.accepted_per_position, reverse=True)
         assert sum(stats.accepted_per_position) == stats.accepted
+
+
+def test_bf16_speculative_output_equals_greedy_up_to_ties(verifier) -> None:
+    """In bf16 a forward over k + 1 tokens rounds differently from one over a single token; any divergence from
+    plain greedy must still be at a tie, and the drafter runs in the verifier's dtype."""
+    import copy
+
+    model = copy.deepcopy(verifier).to(torch.bfloat16)
+    drafter = _drafter(model, torch.arange(0, model.config.vocab_size, 2)).to(torch.bfloat16)
+    eos = {model.config.eos_token_id}
+    for prompt in _prompts():
+        reference = greedy_decode(model, prompt, 24, eos)
+        tokens, stats = speculative_decode(model, drafter, prompt, 3, 24, eos)
+        divergence = reference.divergence(tokens)
+        assert divergence is None or divergence["tie"], divergence
+        assert stats.rounds > 0
+
+
+def test_a_divergence_is_a_tie_only_within_tie_ulps() -> None:
+    ulp = 2.0**-7 * 16  # bf16 at a top logit in [16, 32)
+    values = torch.tensor([20.0, 20.0 - TIE_ULPS * ulp, 20.0 - (TIE_ULPS + 1) * ulp])
+    reference = GreedyReference([5, 7, 9], [values] * 3, [torch.tensor([7, 8, 6])] * 3, 2.0**-7)
+    assert reference.divergence([5, 7, 9]) is None
+    assert reference.divergence([5, 8, 1]) == {"position": 1, "gap_ulps": TIE_ULPS, "tie": True}
+    assert reference.divergence([5, 6, 9]) == {"position": 1, "gap_ulps": TIE_ULPS + 1, "tie": False}
+    assert reference.divergence([5, 7, 4]) == {"position": 2, "gap_ulps": None, "tie": False}  # not in the top
+    assert reference.divergence([5, 7]) == {"position": 2, "gap_ulps": None, "tie": False}
 
 
 def _constant_verifier(verifier):
@@ -83,7 +112,7 @@ def test_a_drafter_that_copies_the_verifier_reaches_k_plus_one(verifier) -> None
     assert 0 not in eos
     for k in (1, 3):
         tokens, stats = speculative_decode(constant, drafter, _prompts(1)[0], k, 20, eos)
-        assert tokens == [0] * 20 == greedy_decode(constant, _prompts(1)[0], 20, eos)
+        assert tokens == [0] * 20 == greedy_decode(constant, _prompts(1)[0], 20, eos).tokens
         assert stats.accepted == k * stats.rounds  # τ = k + 1 exactly
         assert stats.accepted_per_position == [stats.rounds] * k
 
