@@ -18,7 +18,7 @@ from pathlib import Path
 
 import click
 import torch
-from reporting import cpu_name, write_report
+from reporting import cpu_name, greedy_equality, write_report
 
 from expman import paths
 from expman.evaluate import evaluate
@@ -27,16 +27,12 @@ from expman.provenance import package_versions
 
 
 def _arm_rows(evaluation: dict, arm: str) -> dict:
-    """Per k: the summary's numbers and the largest gap (ulps) among the divergences counted as ties."""
-    rows = {}
-    for key, values in evaluation["summary"][arm].items():
-        divergences = [p[arm][key.removeprefix("k")]["greedy_divergence"] for p in evaluation["prompts"]]
-        ties = [d["gap_ulps"] for d in divergences if d and d["tie"]]
-        rows[key] = {
-            **{name: values[name] for name in ("tau", "speedup", "greedy_mismatches", "greedy_tie_flips")},
-            "largest_tie_gap_ulps": max(ties, default=None),
-        }
-    return rows
+    """Per k: tau, speedup and greedy equality (mismatches, tie flips, largest tie gap)."""
+    equality = greedy_equality(evaluation, arm)
+    return {
+        key: {"tau": values["tau"], "speedup": values["speedup"], **equality[key]}
+        for key, values in evaluation["summary"][arm].items()
+    }
 
 
 @click.command()

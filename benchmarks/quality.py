@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import click
-from reporting import cpu_name, write_report
+from reporting import cpu_name, greedy_equality, write_report
 
 from expman import paths
 from expman.evaluate import evaluate, select_prompts
@@ -159,9 +159,11 @@ def _peer(params: Params, peer: Path, folder: Path, budget_s: float) -> dict[str
 
 def _reference(evaluation: dict, arm: str) -> dict[str, Any]:
     summary = evaluation["summary"]
-    keep = ("tau", "per_position", "speedup", "greedy_mismatches")
+    keep = ("tau", "per_position", "speedup")
+    equality = greedy_equality(evaluation, arm)
     return {
-        "overall": {k: {x: v[x] for x in keep} for k, v in summary[arm].items()},
+        "dtype": evaluation["dtype"],
+        "overall": {k: {**{x: v[x] for x in keep}, **equality[k]} for k, v in summary[arm].items()},
         "by_category": {c: {k: v["tau"] for k, v in block[arm].items()} for c, block in summary["by_category"].items()},
     }
 

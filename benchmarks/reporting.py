@@ -1,5 +1,6 @@
 """What every benchmark script shares: verifier shapes (configs of real models, built with random weights), the
-CPU's name for the machine facts, and the result JSON written to ``--out`` and printed."""
+CPU's name for the machine facts, greedy equality read off an evaluation, and the result JSON written to ``--out``
+and printed."""
 
 from __future__ import annotations
 
@@ -19,6 +20,20 @@ def cpu_name() -> str:
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine()
+
+
+def greedy_equality(evaluation: dict[str, Any], arm: str) -> dict[str, dict[str, Any]]:
+    """Per k of one arm of an evaluation.json: greedy mismatches, tie flips and the largest gap (units in the last
+    place) among the divergences counted as ties."""
+    rows = {}
+    for key, values in evaluation["summary"][arm].items():
+        divergences = [p[arm][key.removeprefix("k")].get("greedy_divergence") for p in evaluation["prompts"]]
+        rows[key] = {
+            "greedy_mismatches": values["greedy_mismatches"],
+            "greedy_tie_flips": values["greedy_tie_flips"],
+            "largest_tie_gap_ulps": max((d["gap_ulps"] for d in divergences if d and d["tie"]), default=None),
+        }
+    return rows
 
 
 def write_report(report: dict[str, Any], out: Path | None) -> None:
