@@ -13,6 +13,7 @@ largest tie gap in units in the last place).
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -62,6 +63,7 @@ def main(dtypes: tuple[str, ...], params_file: Path, work: Path, out: Path | Non
         }
     report = {
         "benchmark": "eval_dtype",
+        "command": "python " + " ".join(sys.argv),
         "device": cpu_name(),
         "cpu_threads": torch.get_num_threads(),
         "preset": params.preset,

@@ -13,6 +13,7 @@ step (the tau that k needs to break even), and the tau that k needs for a speedu
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -108,6 +109,7 @@ def main(
 ) -> None:
     report = {
         "benchmark": "round_cost",
+        "command": "python " + " ".join(sys.argv),
         "device": cpu_name(),
         "cpu_threads": torch.get_num_threads(),
         "shape": shape,
