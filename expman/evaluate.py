@@ -41,6 +41,7 @@ __all__ = [
     "greedy_decode",
     "select_prompts",
     "speculative_decode",
+    "speedup_target",
     "summarize",
     "trained_aux_layers",
 ]
@@ -384,6 +385,15 @@ def _load_arm(
     return drafter.to(device=device, dtype=dtype).eval()
 
 
+def speedup_target(device: str, dtype: torch.dtype) -> str:
+    """The target the speedups were measured on, as promotion gates name it: the device, and the dtype where it is
+    not the device's default (a bf16 speedup on CPU says nothing about fp32 serving there)."""
+    from expman.verifier import resolve_dtype
+
+    suffix = "" if dtype == resolve_dtype("auto", device) else "-" + str(dtype).removeprefix("torch.")
+    return f"torch-{device}{suffix}-batch1"
+
+
 def _arm_row(
     tokens: list[int], stats: DecodeStats, seconds: float, reference: GreedyReference | None
 ) -> dict[str, Any]:
@@ -479,7 +489,7 @@ def evaluate(
             "temperature": temperature,
             "device": device,
             "dtype": str(dtype).removeprefix("torch."),
-            "target": f"torch-{device}-batch1",
+            "target": speedup_target(device, dtype),
             "arms": {
                 arm: {
                     "path": str(p),

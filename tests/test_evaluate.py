@@ -19,6 +19,7 @@ from expman.evaluate import (
     greedy_decode,
     select_prompts,
     speculative_decode,
+    speedup_target,
     summarize,
 )
 
@@ -93,6 +94,13 @@ def test_a_divergence_is_a_tie_only_within_tie_ulps() -> None:
     assert reference.divergence([5, 6, 9]) == {"position": 1, "gap_ulps": TIE_ULPS + 1, "tie": False}
     assert reference.divergence([5, 7, 4]) == {"position": 2, "gap_ulps": None, "tie": False}  # not in the top
     assert reference.divergence([5, 7]) == {"position": 2, "gap_ulps": None, "tie": False}
+
+
+def test_the_speedup_target_names_a_dtype_other_than_the_devices_default() -> None:
+    assert speedup_target("cpu", torch.float32) == "torch-cpu-batch1"
+    assert speedup_target("cpu", torch.bfloat16) == "torch-cpu-bfloat16-batch1"
+    assert speedup_target("cuda", torch.bfloat16) == "torch-cuda-batch1"
+    assert speedup_target("cuda", torch.float32) == "torch-cuda-float32-batch1"
 
 
 def _constant_verifier(verifier):
