@@ -166,18 +166,20 @@ def greedy_decode(
     temperature: float = 0.0,
     seed: int = 0,
 ) -> GreedyReference:
-    """Plain decoding, one verifier forward per token: the no-speculation arm and the equality reference."""
+    """Plain decoding, one verifier forward per token: the no-speculation arm and, when greedy, the equality
+    reference (sampled outputs are not compared, so their top logits are not kept)."""
     generator = torch.Generator().manual_seed(seed)
     session = VerifierSession(model, [])
     reference = GreedyReference([], [], [], torch.finfo(model.dtype).eps)
     logits, _ = session.feed(prompt_ids, with_aux=False, last_only=True)
     while True:
         reference.tokens.append(_pick(logits[-1], temperature, generator))
-        started = time.perf_counter()
-        top = logits[-1].topk(min(TOP_LOGITS, logits.shape[-1]))
-        reference.top_values.append(top.values)
-        reference.top_ids.append(top.indices)
-        reference.check_seconds += time.perf_counter() - started
+        if not temperature:
+            started = time.perf_counter()
+            top = logits[-1].topk(min(TOP_LOGITS, logits.shape[-1]))
+            reference.top_values.append(top.values)
+            reference.top_ids.append(top.indices)
+            reference.check_seconds += time.perf_counter() - started
         if _finished(reference.tokens, eos_ids, max_new_tokens):
             return reference
         logits, _ = session.feed(reference.tokens[-1:], with_aux=False)
