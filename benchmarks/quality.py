@@ -4,7 +4,8 @@ Run from the project root (a git + DVC checkout with the engine extra and the pe
 
   python benchmarks/quality.py --peer ../shared/bench/peer_quality --out benchmarks/results/quality_cpu.json
 
-Steps, each kept under ``--work`` and skipped when already done there (a killed run resumes):
+Steps, each kept under ``--work`` and skipped when already done there (a killed run resumes; the peer's feature
+extraction is a step of its own, so a run killed in the peer's training resumes with its features):
   1. ``dvc exp run -S preset=quality`` (or ``--preset``): the whole graph; candidate (finetuned from the baseline)
      and baseline in the reference evaluator at evaluate.ks and in vLLM at benchmark.ks.
   2. scratch: the preset's train section from scratch (``finetune_from: null``) on the same features, then the
@@ -78,83 +79,94 @@ def _scratch(params: Params, folder: Path) -> dict[str, Any]:
     return {"train_s": train_s}
 
 
-def _peer(params: Params, peer: Path, folder: Path, budget_s: float) -> dict[str, Any]:
-    """The peer pipeline on expman's own train responses and held-out prompts."""
-    folder.mkdir(parents=True, exist_ok=True)
-    contract = read_manifest(paths.EXTRACT / "manifest.json", "extract")["contract"]
-    vocab_size = read_manifest(paths.VOCAB / "manifest.json", "vocab")["draft_vocab_size"]
-    layers = ",".join(str(i) for i in contract["aux_layers"])
-    with open(folder / "train_responses.jsonl", "w") as handle:
-        for r in read_responses(paths.GENERATED, "train"):
-            user = [m["content"] for m in r["messages"] if m["role"] == "user"][-1]
-            cut = r["prompt_tokens"]
-            row = {
-                "id": r["id"],
-                "prompt": user,
-                "prompt_ids": r["input_ids"][:cut],
-                "response_ids": r["input_ids"][cut:],
-            }
-            handle.write(json.dumps(row) + "\n")
-    heldout = read_responses(paths.GENERATED, params.evaluate.split)
-    for name, records in (("heldout_all", heldout), ("heldout", select_prompts(heldout, params.evaluate.max_prompts))):
-        with open(folder / f"{name}.jsonl", "w") as handle:
-            for r in records:
+class _Peer:
+    """The peer pipeline on expman's own train responses and held-out prompts, its scripts run from ``peer``."""
+
+    def __init__(self, params: Params, peer: Path, folder: Path):
+        self.params, self.peer, self.folder = params, peer, folder
+        contract = read_manifest(paths.EXTRACT / "manifest.json", "extract")["contract"]
+        self.layers = ",".join(str(i) for i in contract["aux_layers"])
+        self.vocab_size = str(read_manifest(paths.VOCAB / "manifest.json", "vocab")["draft_vocab_size"])
+
+    def script(self, name: str, *args: str, log: str) -> None:
+        with open(self.folder / log, "w") as out:
+            subprocess.run(
+                [sys.executable, str(self.peer / name), *args], check=True, stdout=out, stderr=subprocess.STDOUT
+            )
+
+    def extract(self) -> dict[str, Any]:
+        """Convert the responses and held-out prompts to the peer's format; extract its features."""
+        folder = self.folder
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / "train_responses.jsonl", "w") as handle:
+            for r in read_responses(paths.GENERATED, "train"):
                 user = [m["content"] for m in r["messages"] if m["role"] == "user"][-1]
-                handle.write(json.dumps({"id": r["id"], "category": r["category"], "prompt": user}) + "\n")
-    verifier = str(paths.VERIFIER)
+                cut = r["prompt_tokens"]
+                row = {
+                    "id": r["id"],
+                    "prompt": user,
+                    "prompt_ids": r["input_ids"][:cut],
+                    "response_ids": r["input_ids"][cut:],
+                }
+                handle.write(json.dumps(row) + "\n")
+        heldout = read_responses(paths.GENERATED, self.params.evaluate.split)
+        selected = select_prompts(heldout, self.params.evaluate.max_prompts)
+        for name, records in (("heldout_all", heldout), ("heldout", selected)):
+            with open(folder / f"{name}.jsonl", "w") as handle:
+                for r in records:
+                    user = [m["content"] for m in r["messages"] if m["role"] == "user"][-1]
+                    handle.write(json.dumps({"id": r["id"], "category": r["category"], "prompt": user}) + "\n")
+        started = time.perf_counter()
+        self.script(
+            "extract_features.py",
+            str(paths.VERIFIER),
+            str(folder / "train_responses.jsonl"),
+            str(folder / "feats"),
+            "--exclude",
+            str(folder / "heldout_all.jsonl"),
+            "--layers",
+            self.layers,
+            "--draft-vocab",
+            self.vocab_size,
+            log="extract.log",
+        )
+        return {"extract_s": time.perf_counter() - started}
 
-    def script(name: str, *args: str, log: str) -> None:
-        with open(folder / log, "w") as out:
-            subprocess.run([sys.executable, str(peer / name), *args], check=True, stdout=out, stderr=subprocess.STDOUT)
-
-    started = time.perf_counter()
-    script(
-        "extract_features.py",
-        verifier,
-        str(folder / "train_responses.jsonl"),
-        str(folder / "feats"),
-        "--exclude",
-        str(folder / "heldout_all.jsonl"),
-        "--layers",
-        layers,
-        "--draft-vocab",
-        str(vocab_size),
-        log="extract.log",
-    )
-    extract_s = time.perf_counter() - started
-    started = time.perf_counter()
-    script(
-        "train_drafter.py",
-        verifier,
-        str(folder / "feats"),
-        str(folder / "drafter"),
-        "--budget-s",
-        f"{budget_s:.0f}",
-        "--max-len",
-        str(params.train.max_tokens),
-        "--layers",
-        layers,
-        "--draft-vocab",
-        str(vocab_size),
-        "--ttt",
-        str(params.train.ttt_steps),
-        log="train.log",
-    )
-    train_s = time.perf_counter() - started
-    arms = ",".join(["nospec", *(f"k{k}" for k in params.evaluate.ks)])
-    script(
-        "eval_vllm.py",
-        verifier,
-        str(folder / "heldout.jsonl"),
-        str(folder / "drafter"),
-        str(folder / "eval.json"),
-        "--arms",
-        arms,
-        "--max-tokens",
-        str(params.evaluate.max_new_tokens),
-        log="eval.log",
-    )
-    return {"extract_s": extract_s, "train_s": train_s, "budget_s": budget_s}
+    def train_and_evaluate(self, budget_s: float) -> dict[str, Any]:
+        """Train on the extracted features within ``budget_s``; then vLLM CPU on the held-out prompts."""
+        folder, params = self.folder, self.params
+        started = time.perf_counter()
+        self.script(
+            "train_drafter.py",
+            str(paths.VERIFIER),
+            str(folder / "feats"),
+            str(folder / "drafter"),
+            "--budget-s",
+            f"{budget_s:.0f}",
+            "--max-len",
+            str(params.train.max_tokens),
+            "--layers",
+            self.layers,
+            "--draft-vocab",
+            self.vocab_size,
+            "--ttt",
+            str(params.train.ttt_steps),
+            log="train.log",
+        )
+        train_s = time.perf_counter() - started
+        self.script(
+            "eval_vllm.py",
+            str(paths.VERIFIER),
+            str(folder / "heldout.jsonl"),
+            str(folder / "drafter"),
+            str(folder / "eval.json"),
+            "--arms",
+            ",".join(["nospec", *(f"k{k}" for k in params.evaluate.ks)]),
+            "--max-tokens",
+            str(params.evaluate.max_new_tokens),
+            log="eval.log",
+        )
+        return {"train_s": train_s, "budget_s": budget_s}
 
 
 def _reference(evaluation: dict, arm: str) -> dict[str, Any]:
@@ -196,7 +208,9 @@ def main(peer: Path, preset: str, work: Path, peer_budget_s: float | None, out: 
         raise click.ClickException(f"params.yaml: preset is {params.preset!r} after the run, not {preset!r}")
     scratch = _step(work / "scratch.json", lambda: _scratch(params, work / "scratch"))
     budget_s = scratch["train_s"] if peer_budget_s is None else peer_budget_s
-    theirs = _step(work / "peer.json", lambda: _peer(params, peer, work / "peer", budget_s))
+    peer_run = _Peer(params, peer, work / "peer")
+    peer_extract = _step(work / "peer_extract.json", peer_run.extract)
+    theirs = _step(work / "peer.json", lambda: peer_run.train_and_evaluate(budget_s))
 
     evaluation = json.loads((paths.EVALUATE / "evaluation.json").read_text())
     bench = json.loads((paths.BENCHMARK / "benchmark.json").read_text())
@@ -240,7 +254,7 @@ def main(peer: Path, preset: str, work: Path, peer_budget_s: float | None, out: 
                 "repro": repro["seconds"],
                 "scratch": scratch["seconds"],
                 "scratch_train": scratch["train_s"],
-                "peer_extract": theirs["extract_s"],
+                "peer_extract": peer_extract["extract_s"],
                 "peer_train": theirs["train_s"],
                 "peer_train_budget": theirs["budget_s"],
             },

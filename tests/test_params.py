@@ -185,5 +185,5 @@ def test_shipped_presets_validate_and_list_every_stage_section(
     monkeypatch.chdir(REPO)  # the shipped params name files of the project
     params = load_params(tmp_path / "params.yaml")
     assert (params.train.norm_before_residual, params.generate.sampled_responses) == (
-        (True, 1) if preset == "quality" else (False, 0)
+        (True, 2) if preset == "quality" else (False, 0)
     )
