@@ -4,10 +4,9 @@ The evaluator's speedup is tau / (round cost / plain step): a round is the draft
 forward over k + 1 tokens plus the drafter's cache extension. This times those parts with the evaluator's own
 classes (``expman.evaluate.VerifierSession`` and ``DrafterSession``) on a verifier shape with random weights (the
 cost does not depend on the weights), after a context of ``--context`` tokens, for each ``--dtype`` (of verifier
-and drafter alike, as in the evaluator). The parts run in a round's order (draft, verify, extend), because the
-verifier's forward evicts the drafter's weights from the CPU caches and the extension after it pays for that. It
-reports each part in ms, the round cost per k as a multiple of the plain
-step (the tau that k needs to break even), and the tau that k needs for a speedup of 1.3 (the quality goal).
+and drafter alike, as in the evaluator), the parts in a round's order (draft, verify, extend). It reports each
+part in ms, the round cost per k as a multiple of the plain step (the tau that k needs to break even), and the tau
+that k needs for a speedup of 1.3 (the quality goal).
 
   python benchmarks/round_cost.py --out benchmarks/results/round_cost_cpu.json
 """
@@ -80,7 +79,7 @@ def measure(shape: dict, dtype: torch.dtype, draft_vocab: int, context: int, ks:
         session.length = context
 
     parts: dict[str, Callable[[], object]] = {"plain": lambda: forward(1, False)}
-    for k in ks:  # in a round's order: the extension runs right after the verifier evicted the drafter from cache
+    for k in ks:  # in a round's order
         parts[f"draft {k}"] = lambda k=k: session.draft(hidden, k, 0.0, None)
         parts[f"verify {k + 1}"] = lambda k=k: forward(k + 1, True)
         # a round extends the drafter by accepted + 1 positions; k + 1 (all accepted) is the dearest
