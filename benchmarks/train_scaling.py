@@ -68,7 +68,7 @@ def _worker(
         torch.cuda.synchronize()
         if step >= warmup:
             times.append(time.perf_counter() - started)
-        loss = torch.tensor([metrics["loss"]], device="cuda")
+        loss = metrics["loss"].reshape(1).float()
         if parallel.world > 1:
             torch.distributed.all_reduce(loss)
         losses.append(loss.item() / parallel.world)

@@ -159,7 +159,7 @@ def measure(
         "step_s": {"median": median, "min": min(times), "max": max(times)},
         "tok_per_s": tokens / median,
         "mfu_harness_count": tokens / median * flops / PEAK_BF16_FLOPS if device == "cuda" else None,
-        "loss_last_step": metrics.get("loss"),
+        "loss_last_step": float(metrics["loss"]),
     }
     if device == "cuda":
         result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30

@@ -1,6 +1,7 @@
-"""Data-parallel training under ``torchrun``: the process group, gradient sums across processes, and FSDP.
+"""Data-parallel training under ``torchrun``: the launch, the process group, gradient sums across processes, FSDP.
 
-``torchrun --nproc_per_node N stages/train.py`` starts N copies of the stage; each takes its share of every
+``train.gpus: N`` makes the stage start itself as ``torchrun --nproc-per-node N stages/train.py`` (``launch``),
+so several GPUs or hosts need no edit of dvc.yaml; torchrun starts N copies of the stage; each takes its share of every
 optimizer step's micro-batches, and after the backward passes the gradients are summed across processes with
 one all-reduce (NCCL on GPUs, gloo on CPU). Every loss is scaled by 1 / (micro-batches of the step on all
 processes), so N processes with ``train.accumulate`` a give the same update as one process with N·a.
@@ -16,10 +17,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-__all__ = ["DataParallel"]
+if TYPE_CHECKING:
+    from expman.params import TrainParams
+
+__all__ = ["DataParallel", "launch"]
 
 
 @dataclass(frozen=True)
@@ -152,3 +157,39 @@ class DataParallel:
 
             dist.barrier()
             dist.destroy_process_group()
+
+
+def launch(section: TrainParams, argv: list[str]) -> int | None:
+    """Start the stage ``argv`` again under torchrun when ``section`` asks for several processes (``gpus``, or
+    ``nodes`` above 1) and this process is not one of them yet; return torchrun's exit code (None: run here).
+
+    One host: ``--standalone`` (a free local port). Several: the c10d rendezvous at ``rdzv_endpoint``, whose id is
+    the digest of the train section, the same on every host that runs the same params."""
+    if (section.gpus == 1 and section.nodes == 1) or "LOCAL_RANK" in os.environ:
+        return None
+    import subprocess
+    import sys
+
+    from expman.errors import ExpmanError
+    from expman.provenance import sha256_json
+    from expman.verifier import resolve_device
+
+    if resolve_device(section.device) == "cuda" and section.gpus > torch.cuda.device_count():
+        raise ExpmanError(f"train.gpus: {section.gpus}, but this host has {torch.cuda.device_count()} GPUs")
+    if section.nodes == 1:
+        rendezvous = ["--standalone"]
+    else:
+        rdzv_id = sha256_json(section.model_dump())[:16]
+        rendezvous = ["--rdzv-backend", "c10d", "--rdzv-endpoint", section.rdzv_endpoint, "--rdzv-id", rdzv_id]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(section.nodes),
+        "--nproc-per-node",
+        str(section.gpus),
+        *rendezvous,
+        *argv,
+    ]
+    return subprocess.run(command).returncode

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, 
 from expman.errors import ExpmanError
 
 __all__ = [
+    "LAUNCH_KEYS",
     "BaselineParams",
     "BenchmarkParams",
     "DatasetSpec",
@@ -251,6 +252,34 @@ class TrainParams(Section):
     weights and optimizer state stay float32 either way."""
     compile: Literal["auto"] | StrictBool = "auto"
     """torch.compile the training loss as one program and use block-sparse flex attention; auto: on CUDA only."""
+    shard_window: PositiveInt = 4
+    """Extract shards a batch draws its documents from: the seeded shard order is cut into windows of this many
+    and each window's documents are shuffled together. Costs host memory: up to 2 x this many shards are held
+    (the window being packed and the next one being read), 4 GiB at 0.5 GiB shards."""
+    prefetch: PositiveInt = 2
+    """Packed batches made ahead of the training step (on CUDA: already on the GPU, copied behind the compute)."""
+    gpus: PositiveInt = 1
+    """Training processes on this host (one a GPU; on CPU, gloo processes). Above 1, or with ``nodes`` above 1,
+    the stage starts itself under torchrun: DDP, or FSDP with ``fsdp``. Global batch: accumulate x gpus x nodes."""
+    nodes: PositiveInt = 1
+    """Hosts taking part. On each host run the same checkout and params (``dvc repro train`` on the one that keeps
+    the outputs, ``python stages/train.py`` on the others); they meet at ``rdzv_endpoint``."""
+    rdzv_endpoint: str | None = Field(default=None, validate_default=True)
+    """host:port of the rendezvous (torchrun's c10d; the host that can bind it serves it), for ``nodes`` above 1."""
+
+    @field_validator("rdzv_endpoint")
+    @classmethod
+    def _hosts_meet_somewhere(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if info.data.get("nodes", 1) > 1 and not value:
+            raise ValueError("required when nodes > 1: the host:port of the rendezvous, reachable from every host")
+        if value and not re.fullmatch(r"[\w.\-\[\]:]+:\d+", value):
+            raise ValueError(f"{value!r} is not host:port")
+        return value
+
+
+LAUNCH_KEYS = {"gpus", "nodes", "rdzv_endpoint", "prefetch"}
+"""Train keys that say where and how fast the training runs, not what it computes (the resume plan leaves them out,
+and records the process count instead)."""
 
 
 class BaselineParams(Section):

@@ -110,6 +110,8 @@ class StageRun:
         self.stage = stage
         self.params = params
         self.upstream = upstream
+        self._sender: Any = None  # the thread that sends metrics, started on first use
+        self._sent: list[Any] = []
 
     def write_manifest(self, path: Path, facts: Mapping[str, Any]) -> dict[str, Any]:
         """Write the stage's manifest.json (facts + provenance with this run's id) atomically; log it here too."""
@@ -123,9 +125,27 @@ class StageRun:
         return manifest
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-        import mlflow
+        """Queue ``metrics`` for one background thread that sends them in order, so a training loop never waits on
+        the tracking store; ``flush`` (at the end of the stage run) waits for them and raises what failed."""
+        from concurrent.futures import ThreadPoolExecutor
 
-        mlflow.log_metrics({k: float(v) for k, v in metrics.items()}, step=step)
+        from mlflow import MlflowClient
+        from mlflow.entities import Metric
+
+        timestamp = int(time.time() * 1000)
+        batch = [Metric(k, float(v), timestamp, step or 0) for k, v in metrics.items()]
+        if self._sender is None:
+            self._sender = ThreadPoolExecutor(1, thread_name_prefix="mlflow-metrics")
+        self._sent.append(self._sender.submit(MlflowClient().log_batch, self.run_id, metrics=batch))
+
+    def flush(self) -> None:
+        """Wait until every queued metric is stored; re-raise the first failure."""
+        sent, self._sent = self._sent, []
+        for future in sent:
+            future.result()
+        if self._sender is not None:
+            self._sender.shutdown()
+            self._sender = None
 
     def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
         import mlflow
@@ -198,7 +218,11 @@ def stage_run(stage: str, params: Mapping[str, Any], upstream: Mapping[str, Mapp
     run_name = f"{os.environ['DVC_EXP_NAME']}/{stage}" if os.environ.get("DVC_EXP_NAME") else stage
     with mlflow.start_run(experiment_id=experiment_id, run_name=run_name, tags=tags) as run:
         mlflow.log_params(_flatten(params))
-        yield StageRun(run.info.run_id, stage, params, upstream)
+        handle = StageRun(run.info.run_id, stage, params, upstream)
+        try:
+            yield handle
+        finally:
+            handle.flush()
 
 
 def serve_ui(host: str, port: int) -> None:

@@ -9,14 +9,13 @@ bit-identical weights on CPU. The result is the canonical checkpoint (speculator
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import sys
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -26,112 +25,17 @@ from expman.checkpoint import save_speculators
 from expman.conversations import prompt_id
 from expman.drafter import DrafterConfig, Eagle3Drafter
 from expman.errors import ExpmanError
-from expman.extract import TENSORS, load_shard
 from expman.objective import Packed, VerifierHead, compiled_ttt_loss, metric_values, simulated_tau, ttt_loss
 from expman.parallel import DataParallel
-from expman.params import TrainParams
+from expman.params import LAUNCH_KEYS, TrainParams
 from expman.provenance import atomic_write, atomic_write_json, read_manifest, sha256_file, sha256_json, upstream_entry
 from expman.shards import remove_stale_temps
 from expman.tracking import StageRun, stage_run
+from expman.train_data import BatchFeed, SampleRef, ShardReader, batch_plan, index_samples, split_samples
 
-__all__ = ["SampleRef", "batch_plan", "new_optimizer", "train", "training_step"]
+__all__ = ["new_optimizer", "train", "training_step"]
 
 VAL_EPOCH = 1_000_000  # the validation batches' seed slot, apart from every training epoch
-
-
-@dataclass(frozen=True)
-class SampleRef:
-    """One document inside one extract shard."""
-
-    shard: int
-    index: int
-    sample_id: str
-    length: int
-
-
-def _hash_share(sample_id: str, salt: str = "") -> float:
-    """A stable number in [0, 1) per sample id: splits stay the same across runs and machines."""
-    digest = hashlib.sha256((salt + sample_id).encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64
-
-
-def index_samples(manifest: dict[str, Any]) -> list[SampleRef]:
-    """Every document of every shard (ids from the shard metadata, lengths from its offsets), no tensor load.
-
-    A shard whose size or plan key differs from its manifest entry (torn, or another run's) is refused here, before
-    any training; the full checksum is checked when the shard is loaded."""
-    from safetensors import SafetensorError, safe_open
-
-    refs = []
-    folder = Path(manifest["shard_dir"])
-    for shard, entry in enumerate(manifest["shards"]):
-        path = folder / entry["path"]
-        if not path.is_file():
-            raise ExpmanError(f"{path}: shard listed in the manifest is missing; rerun `dvc repro -f extract`")
-        foreign = f"{path}: not the shard the manifest lists (corrupted, or a shard from another run)"
-        if path.stat().st_size != entry["bytes"]:
-            raise ExpmanError(foreign)
-        try:
-            with safe_open(str(path), "pt") as handle:
-                metadata = json.loads(handle.metadata()["expman"])
-                offsets = handle.get_tensor("sample_offsets").tolist()
-                tensor_names = set(handle.keys())
-        except (SafetensorError, KeyError, TypeError, json.JSONDecodeError):
-            raise ExpmanError(foreign) from None
-        if "verifier_top1" not in tensor_names:
-            raise ExpmanError(f"{path}: no verifier_top1 tensor (from an older expman); rerun `dvc repro -f extract`")
-        if metadata.get("key") != entry["key"]:
-            raise ExpmanError(foreign)
-        ids = metadata["sample_ids"]
-        refs.extend(SampleRef(shard, i, sample_id, offsets[i + 1] - offsets[i]) for i, sample_id in enumerate(ids))
-    return refs
-
-
-def batch_plan(refs: list[SampleRef], max_tokens: int, seed: int, epoch: int) -> list[list[SampleRef]]:
-    """The epoch's batches: shards in a seeded order, documents shuffled within each shard, packed greedily."""
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    by_shard: dict[int, list[SampleRef]] = {}
-    for ref in refs:
-        by_shard.setdefault(ref.shard, []).append(ref)
-    batches: list[list[SampleRef]] = []
-    for shard in [sorted(by_shard)[i] for i in torch.randperm(len(by_shard), generator=generator).tolist()]:
-        current, used = [], 0
-        for ref in [by_shard[shard][i] for i in torch.randperm(len(by_shard[shard]), generator=generator).tolist()]:
-            length = min(ref.length, max_tokens)
-            if current and used + length > max_tokens:
-                batches.append(current)
-                current, used = [], 0
-            current.append(ref)
-            used += length
-        if current:
-            batches.append(current)
-    return batches
-
-
-class ShardCache:
-    """Loads one shard at a time (batches are grouped by shard); each shard's checksum is verified once."""
-
-    PER_TOKEN = [name for name in TENSORS if name != "sample_offsets"]
-
-    def __init__(self, manifest: dict[str, Any]):
-        self.manifest = manifest
-        self.verified: set[int] = set()
-        self.current: tuple[int, dict[str, torch.Tensor]] | None = None
-
-    def document(self, ref: SampleRef, max_tokens: int) -> dict[str, torch.Tensor]:
-        """One document's per-token tensors, cut to ``max_tokens``."""
-        if self.current is None or self.current[0] != ref.shard:
-            tensors = load_shard(self.manifest, ref.shard, verify=ref.shard not in self.verified)
-            self.verified.add(ref.shard)
-            self.current = (ref.shard, tensors)
-        tensors = self.current[1]
-        start = int(tensors["sample_offsets"][ref.index])
-        end = min(int(tensors["sample_offsets"][ref.index + 1]), start + max_tokens)
-        return {name: tensors[name][start:end] for name in self.PER_TOKEN}
-
-    def packed(self, refs: list[SampleRef], max_tokens: int, device: str) -> Packed:
-        """One packed batch of the documents ``refs``, on ``device``."""
-        return Packed.of([self.document(ref, max_tokens) for ref in refs]).to(device)
 
 
 def training_step(
@@ -146,13 +50,14 @@ def training_step(
     micro_batches: int | None = None,
     parallel: DataParallel | None = None,
     fillers: list[Packed] = (),
-) -> dict[str, float]:
+) -> dict[str, torch.Tensor]:
     """One optimizer step over this process's micro-batches ``batches``: TTT loss (bf16 autocast where ``autocasts``)
     and backward for each, gradients summed across processes, clip, AdamW, schedule.
 
     Each loss is scaled by 1 / ``micro_batches``, the step's micro-batches on all processes (default: these), so
     the update is the mean over the whole global batch; ``fillers`` (FSDP's, see ``DataParallel.fillers``) run
-    with weight 0. Metrics are this process's, averaged over its batches."""
+    with weight 0. Metrics are this process's, averaged over its batches, as 0-d tensors still on the device: the
+    step never waits for the GPU to read them (``metric_values`` reads them, once per logging interval)."""
     count = micro_batches or len(batches)
     compiled = compiles(section, device)
     objective = compiled_ttt_loss() if compiled else ttt_loss
@@ -176,10 +81,21 @@ def training_step(
         grad_norm = grad_norm.full_tensor()
     optimizer.step()
     scheduler.step()
-    each = [metric_values(tracked) for tracked in tracked_all]
-    names = {name for metrics in each for name in metrics}
-    averaged = {n: sum(m[n] for m in each if n in m) / sum(n in m for m in each) for n in names}
-    return (each[0] if len(each) == 1 else averaged) | {"grad_norm": float(grad_norm)}
+    return mean_metrics(tracked_all) | {"grad_norm": grad_norm.detach()}
+
+
+def mean_metrics(tracked: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The mean of each metric over ``tracked`` (batches or steps), computed on the device without reading it; a
+    ``loss_k`` counts only where its step had positions (``metric_values`` drops it where none had)."""
+    means = {}
+    for name in tracked[0]:
+        values = torch.stack([t[name].float() for t in tracked])
+        if name.startswith("loss_") and f"positions_{name[5:]}" in tracked[0]:
+            scored = torch.stack([(t[f"positions_{name[5:]}"] > 0).float() for t in tracked])
+            means[name] = (values * scored).sum() / scored.sum().clamp(min=1)
+        else:
+            means[name] = values.mean()
+    return means
 
 
 def autocasts(section: TrainParams, device: str) -> bool:
@@ -295,15 +211,14 @@ def _check_inputs(verifier: dict, extract: dict, vocab: dict, paths: tuple[Path,
         raise ExpmanError(f"{paths[1]}: train needs pre_norm final states (extract.final_state)")
 
 
-def _evaluate(drafter, head, cache, batches, section, device) -> dict[str, float]:
+def _evaluate(drafter, head, reader: ShardReader, batches, section, device) -> dict[str, float]:
+    """Held-out loss, accuracies and simulated τ of ``batches``, weighted by their scored positions."""
     totals: dict[str, float] = {}
     weights: dict[str, float] = {}
     drafter.eval()
+    pad_to = section.max_tokens if compiles(section, device) else None  # one shape for compiled flex attention
     with torch.no_grad():
-        for refs in batches:
-            batch = cache.packed(refs, section.max_tokens, device)
-            if compiles(section, device):  # one shape for compiled flex attention, as in training
-                batch = batch.padded(section.max_tokens)
+        for batch in _feed(reader, batches, section, device, pad_to):
             metrics = metric_values(ttt_loss(drafter, head, batch, section.ttt_steps, section.step_loss_decay)[1])
             for k in range(section.ttt_steps):
                 for name in (f"loss_{k}", f"acc_{k}", f"cond_acc_{k}"):
@@ -336,7 +251,6 @@ def train(
     The baseline stage reuses this with its own ``stage`` name, a ``sample_share`` of the training samples and a
     ``finish`` step (registration) that runs inside the same MLflow run and adds facts to the manifest."""
     from safetensors.torch import load_file
-    from tqdm import tqdm
 
     from expman.verifier import resolve_device
 
@@ -348,15 +262,8 @@ def train(
     _check_inputs(*(m for _, m in manifests.values()), tuple(p for p, _ in manifests.values()))
     extract_manifest = manifests["extract"][1]
     contract = extract_manifest["contract"]
-    refs = index_samples(extract_manifest)
     # by prompt: the sampled copies of a prompt go where the prompt goes, so validation never sees a trained prompt
-    val_refs = [r for r in refs if _hash_share(prompt_id(r.sample_id)) < section.val_fraction]
-    train_refs = [
-        r
-        for r in refs
-        if _hash_share(prompt_id(r.sample_id)) >= section.val_fraction
-        and _hash_share(prompt_id(r.sample_id), "share") < sample_share
-    ]
+    train_refs, val_refs = split_samples(index_samples(extract_manifest), section.val_fraction, sample_share, prompt_id)
     if not train_refs:
         raise ExpmanError(f"{extract_dir / 'manifest.json'}: no training samples left after the validation split")
     device = resolve_device(section.device)
@@ -373,10 +280,9 @@ def train(
     head = head.to(device, compute_dtype)
     per_step = section.accumulate * parallel.world  # micro-batches of one optimizer step on all processes
     plans = [
-        _steps(batch_plan(train_refs, section.max_tokens, section.seed, epoch), per_step)
+        _steps(batch_plan(train_refs, section.max_tokens, section.seed, epoch, section.shard_window), per_step)
         for epoch in range(section.epochs)
     ]
-    epoch_starts = [sum(len(p) for p in plans[:epoch]) for epoch in range(section.epochs)]
     total_steps = sum(len(p) for p in plans)
     optimizer, scheduler = new_optimizer(drafter, section, total_steps)
     noise = torch.Generator(device=device).manual_seed(section.seed + parallel.rank)
@@ -388,7 +294,8 @@ def train(
         }
     plan_key = sha256_json(
         {
-            "params": section.model_dump(),
+            "params": section.model_dump(exclude=LAUNCH_KEYS),
+            "world": parallel.world,
             "sample_share": sample_share,
             "upstream": {k: v["manifest_sha256"] for k, v in upstream.items()},
         }
@@ -396,90 +303,157 @@ def train(
     for path in (state_dir / "state.pt", out_dir, metrics_path):
         remove_stale_temps(path)  # what a kill during an atomic write left beside it
     step = _resume(state_dir, plan_key, drafter, optimizer, scheduler, noise, parallel)
-    cache = ShardCache(extract_manifest)
-    val_batches = batch_plan(val_refs, section.max_tokens, section.seed, VAL_EPOCH) if val_refs else []
+    reader = ShardReader(extract_manifest)
+    val_batches = (
+        batch_plan(val_refs, section.max_tokens, section.seed, VAL_EPOCH, section.shard_window) if val_refs else []
+    )
     logged = section.model_dump() | ({"sample_share": sample_share} if sample_share < 1 else {})
-    with stage_run(stage, logged, upstream) if parallel.main else nullcontext() as run:
-        drafter.train()
-        window: list[dict[str, float]] = []
-        final: dict[str, float] = {}
-        tokens, started = 0, time.perf_counter()
-        with tqdm(total=total_steps, initial=step, desc=stage, unit="step", disable=not parallel.main) as bar:
-            for epoch, steps in enumerate(plans):
-                if epoch_starts[epoch] + len(steps) <= step:
-                    continue  # finished before a resume
-                for group in steps[step - epoch_starts[epoch] :]:
-                    batches = [
-                        cache.packed(refs, section.max_tokens, device)
-                        for refs in parallel.share(group, section.accumulate)
-                    ]
-                    fillers = [
-                        cache.packed(refs, section.max_tokens, device)
-                        for refs in parallel.fillers(group, section.accumulate)
-                    ]
-                    metrics = training_step(
-                        drafter,
-                        head,
-                        batches,
-                        optimizer,
-                        scheduler,
-                        section,
-                        noise,
-                        device,
-                        len(group),
-                        parallel,
-                        fillers,
-                    )
-                    step += 1
-                    checkpoint = step % section.checkpoint_every == 0 or step == total_steps
-                    if checkpoint:  # collectives: every process takes part
-                        noise_states = parallel.gather(noise.get_state())
-                        weights, moments = parallel.model_state(drafter), parallel.optimizer_state(drafter, optimizer)
-                    if not parallel.main:
-                        continue
-                    tokens += sum(batch.input_ids.numel() for batch in batches) * parallel.world
-                    window.append(metrics)
-                    bar.update(1)
-                    if step % section.log_every == 0 or step == total_steps:
-                        averaged = {k: sum(m.get(k, 0.0) for m in window) / len(window) for k in window[-1]}
-                        cond = [averaged.get(f"cond_acc_{k}", 0.0) for k in range(section.ttt_steps)]
-                        for k in range(1, section.ttt_steps + 1):
-                            averaged[f"sim_tau_k{k}"] = simulated_tau(cond, k)
-                        averaged = {f"train/{k}": v for k, v in averaged.items()}
-                        averaged["lr"] = scheduler.get_last_lr()[0]
-                        averaged["tok_per_s"] = tokens / (time.perf_counter() - started)
-                        run.log_metrics(averaged, step=step)
-                        window = []
-                    if checkpoint:
-                        _save_state(state_dir, plan_key, step, weights, moments, scheduler, noise_states)
-                if val_batches and (parallel.main or parallel.sharded):  # FSDP: every forward is a collective
-                    final = _evaluate(drafter, head, cache, val_batches, section, device)
-                    if parallel.main:
-                        run.log_metrics({f"val/{k}": v for k, v in final.items()}, step=step)
-        if val_batches and not final and (parallel.main or parallel.sharded):  # resumed after the last epoch ended
-            final = _evaluate(drafter, head, cache, val_batches, section, device)
-        weights = parallel.model_state(drafter)
-        if not parallel.main:
-            parallel.close()  # waits until the main process has written every output
-            return {}
-        if parallel.sharded:
-            drafter = Eagle3Drafter(drafter.config)
-            drafter.load_state_dict(weights)
-        save_speculators(
-            drafter.cpu(),
-            out_dir,
-            str(verifier_dir),
-            [manifests["prepare"][1]["verifier"]["architecture"]],
-            speculative_tokens=section.ttt_steps,
-        )
-        metrics = {"train_samples": len(train_refs), "val_samples": len(val_refs), "steps": step, **final}
-        atomic_write_json(metrics_path, metrics)
-        facts = {"contract": contract, "draft_vocab_size": drafter.config.draft_vocab_size, "metrics": metrics}
-        if finish is not None:
-            facts.update(finish(run, out_dir))
-        manifest = run.write_manifest(out_dir / "manifest.json", facts)
+    loop = _Loop(section, device, parallel, drafter, head, optimizer, scheduler, noise, reader, stage)
+    try:
+        with stage_run(stage, logged, upstream) if parallel.main else nullcontext() as run:
+            final = loop.run(run, plans, step, val_batches, state_dir, plan_key)
+            weights = parallel.model_state(drafter)
+            if not parallel.main:
+                parallel.close()  # waits until the main process has written every output
+                return {}
+            if parallel.sharded:
+                drafter = Eagle3Drafter(drafter.config)
+                drafter.load_state_dict(weights)
+            save_speculators(
+                drafter.cpu(),
+                out_dir,
+                str(verifier_dir),
+                [manifests["prepare"][1]["verifier"]["architecture"]],
+                speculative_tokens=section.ttt_steps,
+            )
+            metrics = {"train_samples": len(train_refs), "val_samples": len(val_refs), "steps": loop.step, **final}
+            atomic_write_json(metrics_path, metrics)
+            facts = {"contract": contract, "draft_vocab_size": drafter.config.draft_vocab_size, "metrics": metrics}
+            if finish is not None:
+                facts.update(finish(run, out_dir))
+            manifest = run.write_manifest(out_dir / "manifest.json", facts)
+    finally:
+        reader.close()
     parallel.close()
     return manifest
+
+
+def _feed(reader: ShardReader, plan: list[list[SampleRef]], section: TrainParams, device: str, pad_to=None):
+    """The packed batches of ``plan`` in order, read and packed off this thread (see ``expman.train_data``)."""
+    return BatchFeed(
+        reader, plan, section.max_tokens, device, pad_to, prefetch=section.prefetch, resident=2 * section.shard_window
+    )
+
+
+class _Loop:
+    """The training loop over the planned steps: batches from the feed, one ``training_step`` each, metrics read
+    from the device once per ``log_every`` steps and sent to MLflow off this thread, resume checkpoints."""
+
+    def __init__(self, section, device, parallel, drafter, head, optimizer, scheduler, noise, reader, stage):
+        self.section, self.device, self.parallel = section, device, parallel
+        self.drafter, self.head, self.optimizer, self.scheduler, self.noise = drafter, head, optimizer, scheduler, noise
+        self.reader, self.stage = reader, stage
+        self.step, self.tokens, self.started = 0, 0, time.perf_counter()
+
+    def run(self, run, plans, step, val_batches, state_dir: Path, plan_key: str) -> dict[str, float]:
+        """Train from ``step`` to the end of ``plans`` (per epoch, the optimizer steps' micro-batch groups);
+        return the last held-out metrics."""
+        from tqdm import tqdm
+
+        section, parallel = self.section, self.parallel
+        self.step = step
+        total_steps = sum(len(p) for p in plans)
+        epoch_starts = [sum(len(p) for p in plans[:epoch]) for epoch in range(len(plans))]
+        todo = [
+            (epoch, group) for epoch, steps in enumerate(plans) for group in steps[max(0, step - epoch_starts[epoch]) :]
+        ]
+        mine = [
+            (parallel.share(group, section.accumulate), parallel.fillers(group, section.accumulate))
+            for _, group in todo
+        ]
+        pad_to = section.max_tokens if compiles(section, self.device) else None
+        feed = _feed(self.reader, [refs for own, fill in mine for refs in own + fill], section, self.device, pad_to)
+        batches = iter(feed)
+        window: list[dict[str, torch.Tensor]] = []
+        final: dict[str, float] = {}
+        epoch_tokens, epoch_started, warm = 0, time.perf_counter(), step > 0
+        bar = tqdm(total=total_steps, initial=step, desc=self.stage, unit="step", disable=not parallel.main)
+        try:
+            for index, ((epoch, group), (own, fill)) in enumerate(zip(todo, mine, strict=True)):
+                metrics = training_step(
+                    self.drafter,
+                    self.head,
+                    [next(batches) for _ in own],
+                    self.optimizer,
+                    self.scheduler,
+                    section,
+                    self.noise,
+                    self.device,
+                    len(group),
+                    parallel,
+                    [next(batches) for _ in fill],
+                )
+                self.step += 1
+                if not warm:  # the first step compiles (on CUDA): rates are timed from its end
+                    self._synchronize()
+                    epoch_tokens, epoch_started, warm = 0, time.perf_counter(), True
+                    self.tokens, self.started = 0, epoch_started
+                else:
+                    epoch_tokens += _tokens(group, section.max_tokens)
+                    self.tokens += _tokens(group, section.max_tokens)
+                checkpoint = self.step % section.checkpoint_every == 0 or self.step == total_steps
+                if checkpoint:
+                    self._checkpoint(state_dir, plan_key)
+                if parallel.main:
+                    window.append(metrics)
+                    bar.update(1)
+                    if self.step % section.log_every == 0 or self.step == total_steps:
+                        run.log_metrics(self._window_metrics(window), step=self.step)
+                        window = []
+                epoch_ends = index + 1 == len(todo) or todo[index + 1][0] != epoch
+                if epoch_ends:
+                    self._synchronize()
+                    seconds = time.perf_counter() - epoch_started
+                    if parallel.main and epoch_tokens:
+                        run.log_metrics({"epoch_tok_per_s": epoch_tokens / seconds}, step=epoch)
+                    if val_batches and (parallel.main or parallel.sharded):  # FSDP: every forward is a collective
+                        final = _evaluate(self.drafter, self.head, self.reader, val_batches, section, self.device)
+                        if parallel.main:
+                            run.log_metrics({f"val/{k}": v for k, v in final.items()}, step=self.step)
+                    epoch_tokens, epoch_started = 0, time.perf_counter()
+        finally:
+            feed.close()
+            bar.close()
+        if val_batches and not final and (parallel.main or parallel.sharded):  # resumed after the last epoch ended
+            final = _evaluate(self.drafter, self.head, self.reader, val_batches, section, self.device)
+        return final
+
+    def _synchronize(self) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+    def _window_metrics(self, window: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+        """The logging window's means, read from the device in one transfer, with simulated τ and the lr."""
+        averaged = metric_values(mean_metrics(window))
+        cond = [averaged.get(f"cond_acc_{k}", 0.0) for k in range(self.section.ttt_steps)]
+        for k in range(1, self.section.ttt_steps + 1):
+            averaged[f"sim_tau_k{k}"] = simulated_tau(cond, k)
+        rate = {"tok_per_s": self.tokens / (time.perf_counter() - self.started)} if self.tokens else {}
+        return {f"train/{k}": v for k, v in averaged.items()} | {"lr": self.scheduler.get_last_lr()[0]} | rate
+
+    def _checkpoint(self, state_dir: Path, plan_key: str) -> None:
+        """The resume state (collectives: every process takes part; the main process writes it)."""
+        parallel = self.parallel
+        noise_states = parallel.gather(self.noise.get_state())
+        weights = parallel.model_state(self.drafter)
+        moments = parallel.optimizer_state(self.drafter, self.optimizer)
+        if parallel.main:
+            _save_state(state_dir, plan_key, self.step, weights, moments, self.scheduler, noise_states)
+
+
+def _tokens(group: list[list[SampleRef]], max_tokens: int) -> int:
+    """The real (unpadded) tokens of one optimizer step's micro-batches on all processes."""
+    return sum(min(ref.length, max_tokens) for refs in group for ref in refs)
 
 
 def _steps(batches: list, per_step: int) -> list[list]:

@@ -1,10 +1,15 @@
-"""baseline: the drafter candidates are measured against, into models/baseline.  Run: python stages/baseline.py."""
+"""baseline: the drafter candidates are measured against, into models/baseline.  Run: python stages/baseline.py.
+
+A trained baseline with ``baseline.train.gpus`` or ``nodes`` above 1 starts itself under torchrun, as train does."""
+
+import sys
 
 import click
 
 from expman import paths
 from expman.baseline import baseline
 from expman.errors import user_errors
+from expman.parallel import launch
 from expman.params import load_params
 
 
@@ -13,15 +18,20 @@ from expman.params import load_params
 def main(params_file: str) -> None:
     """Train a small generic drafter (baseline.source: train) or import one; register it with alias baseline."""
     with user_errors():
-        baseline(
-            load_params(params_file),
-            paths.VERIFIER,
-            paths.EXTRACT,
-            paths.VOCAB,
-            paths.BASELINE,
-            paths.BASELINE_STATE,
-            paths.BASELINE_METRICS,
-        )
+        params = load_params(params_file)
+        exit_code = launch(params.baseline.train, sys.argv) if params.baseline.source == "train" else None
+        if exit_code is None:
+            baseline(
+                params,
+                paths.VERIFIER,
+                paths.EXTRACT,
+                paths.VOCAB,
+                paths.BASELINE,
+                paths.BASELINE_STATE,
+                paths.BASELINE_METRICS,
+            )
+    if exit_code:
+        sys.exit(exit_code)
 
 
 if __name__ == "__main__":

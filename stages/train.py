@@ -1,9 +1,14 @@
-"""train: the EAGLE-3 drafter into models/drafter.  Run: python stages/train.py (or dvc repro train)."""
+"""train: the EAGLE-3 drafter into models/drafter.  Run: python stages/train.py (or dvc repro train).
+
+With ``train.gpus`` or ``train.nodes`` above 1 it starts itself under torchrun (``expman.parallel.launch``)."""
+
+import sys
 
 import click
 
 from expman import paths
 from expman.errors import user_errors
+from expman.parallel import launch
 from expman.params import load_params
 from expman.train import train
 
@@ -13,15 +18,20 @@ from expman.train import train
 def main(params_file: str) -> None:
     """Train the drafter with the TTT unroll; resumes from models/.train-state after a kill."""
     with user_errors():
-        train(
-            load_params(params_file).train,
-            paths.VERIFIER,
-            paths.EXTRACT,
-            paths.VOCAB,
-            paths.DRAFTER,
-            paths.TRAIN_STATE,
-            paths.TRAIN_METRICS,
-        )
+        section = load_params(params_file).train
+        exit_code = launch(section, sys.argv)
+        if exit_code is None:
+            train(
+                section,
+                paths.VERIFIER,
+                paths.EXTRACT,
+                paths.VOCAB,
+                paths.DRAFTER,
+                paths.TRAIN_STATE,
+                paths.TRAIN_METRICS,
+            )
+    if exit_code:
+        sys.exit(exit_code)
 
 
 if __name__ == "__main__":
