@@ -376,7 +376,7 @@ class _Loop:
         batches = iter(feed)
         window: list[dict[str, torch.Tensor]] = []
         final: dict[str, float] = {}
-        epoch_tokens, epoch_started, warm = 0, time.perf_counter(), step > 0
+        epoch_tokens, epoch_started, warm = 0, time.perf_counter(), False
         bar = tqdm(total=total_steps, initial=step, desc=self.stage, unit="step", disable=not parallel.main)
         try:
             for index, ((epoch, group), (own, fill)) in enumerate(zip(todo, mine, strict=True)):
@@ -401,8 +401,13 @@ class _Loop:
                 else:
                     epoch_tokens += _tokens(group, section.max_tokens)
                     self.tokens += _tokens(group, section.max_tokens)
-                checkpoint = self.step % section.checkpoint_every == 0 or self.step == total_steps
-                if checkpoint:
+                epoch_ends = index + 1 == len(todo) or todo[index + 1][0] != epoch
+                if epoch_ends:  # the epoch's rate, before its last resume state is written
+                    self._synchronize()
+                    seconds = time.perf_counter() - epoch_started
+                    if parallel.main and epoch_tokens:
+                        run.log_metrics({"epoch_tok_per_s": epoch_tokens / seconds}, step=epoch)
+                if self.step % section.checkpoint_every == 0 or self.step == total_steps:
                     self._checkpoint(state_dir, plan_key)
                 if parallel.main:
                     window.append(metrics)
@@ -410,12 +415,7 @@ class _Loop:
                     if self.step % section.log_every == 0 or self.step == total_steps:
                         run.log_metrics(self._window_metrics(window), step=self.step)
                         window = []
-                epoch_ends = index + 1 == len(todo) or todo[index + 1][0] != epoch
                 if epoch_ends:
-                    self._synchronize()
-                    seconds = time.perf_counter() - epoch_started
-                    if parallel.main and epoch_tokens:
-                        run.log_metrics({"epoch_tok_per_s": epoch_tokens / seconds}, step=epoch)
                     if val_batches and (parallel.main or parallel.sharded):  # FSDP: every forward is a collective
                         final = _evaluate(self.drafter, self.head, self.reader, val_batches, section, self.device)
                         if parallel.main:
