@@ -40,7 +40,8 @@ from expman.params import TrainParams
 from expman.provenance import atomic_write_json, package_versions, sha256_json
 from expman.shards import ShardSet
 
-DRAFT_VOCAB = 32000
+DRAFT_VOCAB = {"cuda": 32000, "cpu": 8192}
+"""The peer harness's draft vocab on GPU; the default graph's (vocab.draft_vocab_size) on the CPU."""
 
 
 def write_project(root: Path, shape: dict, gib: float, document: int, shard_gib: float, device: str) -> dict:
@@ -61,11 +62,12 @@ def write_project(root: Path, shape: dict, gib: float, document: int, shard_gib:
     save_streamed({k: v.to(torch.bfloat16).cpu() for k, v in head.items()}, root / "verifier/model.safetensors", {})
     atomic_write_json(root / "verifier/manifest.json", {"stage": "prepare", "verifier": verifier})
 
-    chosen = torch.randperm(vocab, generator=torch.Generator().manual_seed(0))[:DRAFT_VOCAB].sort().values
+    draft = DRAFT_VOCAB[device]
+    chosen = torch.randperm(vocab, generator=torch.Generator().manual_seed(0))[:draft].sort().values
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[chosen] = True
     (root / "vocab").mkdir()
-    save_streamed({"d2t": chosen - torch.arange(DRAFT_VOCAB), "t2d": t2d}, root / "vocab/vocab.safetensors", {})
+    save_streamed({"d2t": chosen - torch.arange(draft), "t2d": t2d}, root / "vocab/vocab.safetensors", {})
     atomic_write_json(root / "vocab/manifest.json", {"stage": "vocab", "verifier": verifier})
 
     aux_layers = [2, shape["num_hidden_layers"] // 2, shape["num_hidden_layers"] - 3]
@@ -208,6 +210,7 @@ def section_for(device: str, epochs: int, tokens: int, ttt: int, **overrides) ->
 @click.option("--gib", default=12.0, show_default=True, help="GiB of feature shards per shape")
 @click.option("--shard-gib", default=0.5, show_default=True)
 @click.option("--epochs", default=3, show_default=True)
+@click.option("--shard-window", type=int, help="train.shard_window (default: the stage's)")
 @click.option("--peer", type=click.Path(exists=True, path_type=Path), help="speculators harness script (--gpu)")
 @click.option("--workdir", type=click.Path(path_type=Path), help="where the shards go (default: a temp folder)")
 @click.option("--out", type=click.Path(path_type=Path), required=True)
@@ -218,6 +221,7 @@ def main(
     gib: float,
     shard_gib: float,
     epochs: int,
+    shard_window: int | None,
     peer: Path | None,
     workdir: Path | None,
     out: Path,
@@ -235,7 +239,7 @@ def main(
                 data |= read_rates(root)
                 data["cold_checked_tok_s"] = data["cold_checked_gib_s"] * 2**30 / data["bytes_per_token"]
             data["page_cache"] = drop_page_cache(root / "shards")
-            section = section_for(device, epochs, tokens, 3)
+            section = section_for(device, epochs, tokens, 3, **({"shard_window": shard_window} if shard_window else {}))
             row = {"shape": shape_name, "ttt_steps": 3, "tokens_per_step": tokens, "document_tokens": document}
             row |= {"data": data, "shard_window": getattr(section, "shard_window", None)}
             row |= run_stage(root, section)
@@ -244,7 +248,7 @@ def main(
         finally:
             shutil.rmtree(root, ignore_errors=True)
         if gpu:
-            step = measure(shape_name, tokens, document, 3, DRAFT_VOCAB, 4, 12, device)
+            step = measure(shape_name, tokens, document, 3, DRAFT_VOCAB[device], 4, 12, device)
             row["step_tok_s"] = step["tok_per_s"]
             row["step_peak_gib"] = step["peak_gib"]
             row["stage_vs_step"] = min(row["stage_tok_s"]) / step["tok_per_s"]

@@ -10,8 +10,8 @@ Memory, stated: at most ``2 x train.shard_window`` shards are resident on the ho
 packed and the next one being read; more only if one batch needs more), plus, on CUDA, two pinned staging rows
 of ``train.max_tokens`` tokens and at most ``train.prefetch`` packed batches waiting on the device. At the
 llama3-8b drafter shape (32 KiB of features a token) with 0.5 GiB shards, window 4 and 8192-token batches: 4 GiB
-of shards and 0.5 GiB pinned on the host, 0.75 GiB on the GPU; at Kimi-K2's (56 KiB a token): 4 GiB, 0.9 GiB and
-1.3 GiB.
+of shards and 0.5 GiB pinned on the host, 0.75 GiB on the GPU (counting the batch in training); at Kimi-K2's
+(56 KiB a token, 0.55 GiB shards): 4.4 GiB, 0.9 GiB and 1.3 GiB.
 """
 
 from __future__ import annotations

@@ -97,6 +97,7 @@ def check_graph(project: Path, new_vocab_size: int) -> None:
 def test_dvc_graph_on_tiny_verifier(tmp_path: Path, tiny_verifier_source: Path) -> None:
     params = tiny_params("tiny-verifier")
     params["train"]["finetune_from"] = "models/baseline"  # as in the shipped params.yaml
+    params["train"]["gpus"] = 2  # dvc repro starts the train stage under torchrun (2 gloo processes)
     project = make_dvc_project(tmp_path, params, train=8, heldout=3)
     shutil.copytree(tiny_verifier_source, project / "tiny-verifier")
     check_graph(project, new_vocab_size=32)

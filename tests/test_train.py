@@ -238,17 +238,24 @@ TRAIN_SCRIPT = Path(__file__).resolve().parents[1] / "stages/train.py"
 
 
 def _train_process(
-    project: Path, accumulate: int, launcher: list[str], fsdp: bool = False, script: Path = TRAIN_SCRIPT
+    project: Path, accumulate: int, launcher: list[str], fsdp: bool = False, script: Path = TRAIN_SCRIPT, **keys
 ) -> dict[str, torch.Tensor]:
-    """Run the train stage's ``script`` from scratch with ``train.accumulate`` under ``launcher``; its weights."""
-    for folder in (paths.DRAFTER, paths.TRAIN_STATE):
-        shutil.rmtree(project / folder, ignore_errors=True)
-    params = yaml.safe_load((project / "params.yaml").read_text())
-    params["train"].update(accumulate=accumulate, noise_std=0.0, fsdp=fsdp)
-    (project / "params.yaml").write_text(yaml.safe_dump(params))
+    """Run the train stage's ``script`` from scratch with ``train.accumulate`` (and ``keys``) under ``launcher``;
+    its weights."""
+    _set_train(project, accumulate=accumulate, noise_std=0.0, fsdp=fsdp, **keys)
     done = _run(launcher, script, project)
     assert done.returncode == 0, done.stderr[-3000:]
     return load_file(str(project / paths.DRAFTER / "model.safetensors"))
+
+
+def _set_train(project: Path, **keys) -> None:
+    """params.yaml's train section updated with ``keys``; no output or resume state left from an earlier run."""
+    for folder in (paths.DRAFTER, paths.TRAIN_STATE):
+        shutil.rmtree(project / folder, ignore_errors=True)
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["train"] = {k: v for k, v in params["train"].items() if k not in ("gpus", "nodes", "rdzv_endpoint")}
+    params["train"].update(keys)
+    (project / "params.yaml").write_text(yaml.safe_dump(params))
 
 
 def _run(launcher: list[str], script: Path, project: Path) -> subprocess.CompletedProcess:
@@ -256,16 +263,52 @@ def _run(launcher: list[str], script: Path, project: Path) -> subprocess.Complet
 
 
 @pytest.mark.integration
-def test_two_processes_under_torchrun_match_one_process_with_accumulation(project: Path) -> None:
-    """Data parallel: 2 processes (gloo on CPU) with accumulate 1 make the same updates as 1 process with 2."""
+def test_train_gpus_2_starts_itself_under_torchrun_and_matches_one_process(project: Path) -> None:
+    """``train.gpus: 2`` (gloo processes on CPU) with accumulate 1: the stage starts itself under torchrun, makes
+    the same updates as 1 process with accumulate 2, and leaves one model, one manifest and one MLflow run."""
     run_until("vocab")
     single = _train_process(project, 2, [])
     steps = json.loads((project / paths.TRAIN_METRICS).read_text())["steps"]
-    pair = _train_process(project, 1, TORCHRUN)
+    pair = _train_process(project, 1, [], gpus=2)
+    manifest = json.loads((project / paths.DRAFTER / "manifest.json").read_text())
     assert json.loads((project / paths.TRAIN_METRICS).read_text())["steps"] == steps
+    assert manifest["provenance"]["params"]["gpus"] == 2
     assert single.keys() == pair.keys()
     moved = single["fc.weight"] - _train_process(project, 1, [])["fc.weight"]
     assert moved.abs().max() > 1e-4  # a different global batch trains differently: the comparison can fail
+    for name, tensor in single.items():
+        torch.testing.assert_close(pair[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
+
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{project / 'mlflow.db'}")
+    runs = mlflow.search_runs(search_all_experiments=True, output_format="list")
+    train_runs = [r for r in runs if r.data.tags["expman.stage"] == "train"]
+    assert sorted(r.data.params["gpus"] for r in train_runs) == ["1", "1", "2"]  # one run per stage execution
+
+
+@pytest.mark.integration
+def test_two_hosts_meet_at_a_rendezvous_and_match_one_process(project: Path) -> None:
+    """``train.nodes: 2``: two stage processes ("hosts", here both on localhost) meet at the c10d rendezvous of
+    ``rdzv_endpoint``; the global batch spans both, as one process with accumulate 2."""
+    import socket
+
+    run_until("vocab")
+    single = _train_process(project, 2, [])
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    _set_train(project, accumulate=1, noise_std=0.0, fsdp=False, nodes=2, rdzv_endpoint=f"127.0.0.1:{port}")
+    hosts = [
+        subprocess.Popen(
+            [sys.executable, str(TRAIN_SCRIPT)], cwd=project, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
+    for host in hosts:
+        _, err = host.communicate(timeout=600)
+        assert host.returncode == 0, err[-3000:]
+    pair = load_file(str(project / paths.DRAFTER / "model.safetensors"))
     for name, tensor in single.items():
         torch.testing.assert_close(pair[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
 
