@@ -86,9 +86,10 @@ def training_step(
 
 def mean_metrics(tracked: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """The mean of each metric over ``tracked`` (batches or steps), computed on the device without reading it; a
-    ``loss_k`` counts only where its step had positions (``metric_values`` drops it where none had)."""
+    ``loss_k`` counts only where its step had positions (``metric_values`` drops it where none had). None for a
+    process that had no batch of its own in a step (the last, partial step of an epoch under torchrun): {}."""
     means = {}
-    for name in tracked[0]:
+    for name in tracked[0] if tracked else []:
         values = torch.stack([t[name].float() for t in tracked])
         if name.startswith("loss_") and f"positions_{name[5:]}" in tracked[0]:
             scored = torch.stack([(t[f"positions_{name[5:]}"] > 0).float() for t in tracked])
