@@ -66,8 +66,8 @@ BAD = [
     ("baseline.train.dtype", "float16", "baseline.train.dtype:"),
     ("train.gpus", 0, "train.gpus: Input should be greater than or equal to 1"),
     ("train.shard_window", 0, "train.shard_window:"),
-    ("train.nodes", 2, "train.rdzv_endpoint: Value error, required when nodes > 1"),
-    ("train.rdzv_endpoint", "host0", "train.rdzv_endpoint: Value error, 'host0' is not host:port"),
+    ("train.nodes", 2, "train.rdzv_endpoint: required when nodes > 1"),
+    ("train.rdzv_endpoint", "host0", "train.rdzv_endpoint: 'host0' is not host:port"),
 ]
 
 
