@@ -1,6 +1,7 @@
 """The train stage's data path: the documents of the extract shards, the seeded batch plan, and the feed that reads,
 checks and packs shards off the training thread.
 
+On CUDA a packer thread also packs the batches and copies them to the GPU; on the CPU the training thread packs.
 Why threads and not DataLoader worker processes: the heavy work of the feed (file reads, sha256, the copies of
 ``torch.cat`` and the host-to-device copy) runs in C with the GIL released, so threads get the parallelism without
 worker processes' second copy of every batch through shared memory; and one process keeps the bit-identical resume
@@ -204,10 +205,12 @@ class BatchFeed:
     """The packed batches of ``plan`` (lists of documents, in order), made on background threads.
 
     Reader threads read and check the shards in order of first use, at most ``resident`` at a time, each dropped
-    after its last batch; a packer thread packs each batch (on CUDA into pinned staging rows, copied to the device
-    with ``non_blocking`` on a stream of its own, behind the training step) into a queue of ``prefetch``.
-    Iterating yields the batches in plan order; an error on a thread (a shard whose checksum differs) is raised
-    here, before any batch of that shard is handed out."""
+    after its last batch. On CUDA a packer thread packs each batch into pinned staging rows, copied to the device
+    with ``non_blocking`` on a stream of its own, behind the training step, into a queue of ``prefetch``. On the
+    CPU the batches are packed as they are asked for: there is no copy to hide, and a second thread calling torch
+    ops would compete for the cores the step's own threads use. Iterating yields the batches in plan order; an
+    error on a thread (a shard whose checksum differs) is raised here, before any batch of that shard is handed
+    out."""
 
     def __init__(
         self,
@@ -224,10 +227,17 @@ class BatchFeed:
         self.cuda_index = torch.cuda.current_device() if device == "cuda" else None
         self.queue: queue.Queue = queue.Queue(maxsize=prefetch)
         self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self._produce, name="batch-packer", daemon=True)
-        self.thread.start()
+        self.thread = (
+            threading.Thread(target=self._produce, name="batch-packer", daemon=True) if device == "cuda" else None
+        )
+        if self.thread is not None:
+            self.thread.start()
 
     def __iter__(self) -> Iterator[Packed]:
+        if self.thread is None:
+            for batch, _ in self._batches():
+                yield batch
+            return
         for _ in self.plan:
             item = self.queue.get()
             if isinstance(item, BaseException):
@@ -247,7 +257,7 @@ class BatchFeed:
     def close(self) -> None:
         """Stop the threads (a consumer that leaves early, or an error); queued batches are dropped."""
         self.stopped.set()
-        while self.thread.is_alive():
+        while self.thread is not None and self.thread.is_alive():
             with contextlib.suppress(queue.Empty):
                 self.queue.get(timeout=0.05)
 
@@ -264,11 +274,14 @@ class BatchFeed:
         try:
             if self.device == "cuda":  # the current device is per thread: the one the training thread chose
                 torch.cuda.set_device(self.cuda_index)
-            self._pack_all()
+            for item in self._batches():
+                if not self._put(item):
+                    return
         except BaseException as err:  # handed to the training thread, which raises it
             self._put(err)
 
-    def _pack_all(self) -> None:
+    def _batches(self) -> Iterator[tuple[Packed, Any]]:
+        """Each planned batch and the event marking its device copy (None on the CPU), in plan order."""
         order: list[int] = []
         last_use: dict[int, int] = {}
         for position, refs in enumerate(self.plan):
@@ -298,8 +311,7 @@ class BatchFeed:
             for shard in {ref.shard for ref in refs}:
                 if last_use[shard] == position:
                     del reads[shard]
-            if not self._put(item):
-                return
+            yield item
 
     def _to_device(self, staging: _Staging, documents: list[dict[str, torch.Tensor]], stream: Any) -> tuple:
         """The batch on the device, copied out of ``staging`` on ``stream``, and the event that marks the copy."""

@@ -105,11 +105,12 @@ def test_a_corrupted_shard_is_refused_before_any_of_its_batches(tmp_path: Path) 
     assert len(handed) <= first_bad  # no batch holding a document of the corrupted shard was handed out
 
 
-def test_feed_stops_its_threads_when_the_consumer_leaves(tmp_path: Path) -> None:
+@pytest.mark.gpu
+def test_feed_stops_its_packer_when_the_consumer_leaves(tmp_path: Path) -> None:
     manifest = write_shards(tmp_path, shards=3, documents=4)
     plan = batch_plan(index_samples(manifest), 24, seed=0, epoch=0)
     reader = ShardReader(manifest, threads=1)
-    feed = BatchFeed(reader, plan, 24, "cpu", prefetch=1)
+    feed = BatchFeed(reader, plan, 24, "cuda", 24, prefetch=1)
     next(iter(feed))
     feed.close()
     reader.close()
