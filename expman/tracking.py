@@ -110,7 +110,8 @@ class StageRun:
         self.stage = stage
         self.params = params
         self.upstream = upstream
-        self._sender: Any = None  # the thread that sends metrics, started on first use
+        self._sender: Any = None  # the thread that sends metrics, started on first use, and its client
+        self._client: Any = None
         self._sent: list[Any] = []
 
     def write_manifest(self, path: Path, facts: Mapping[str, Any]) -> dict[str, Any]:
@@ -136,7 +137,8 @@ class StageRun:
         batch = [Metric(k, float(v), timestamp, step or 0) for k, v in metrics.items()]
         if self._sender is None:
             self._sender = ThreadPoolExecutor(1, thread_name_prefix="mlflow-metrics")
-        self._sent.append(self._sender.submit(MlflowClient().log_batch, self.run_id, metrics=batch))
+            self._client = MlflowClient()
+        self._sent.append(self._sender.submit(self._client.log_batch, self.run_id, metrics=batch))
 
     def flush(self) -> None:
         """Wait until every queued metric is stored; re-raise the first failure."""

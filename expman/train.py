@@ -400,8 +400,9 @@ class _Loop:
                     epoch_tokens, epoch_started, warm = 0, time.perf_counter(), True
                     self.tokens, self.started = 0, epoch_started
                 else:
-                    epoch_tokens += _tokens(group, section.max_tokens)
-                    self.tokens += _tokens(group, section.max_tokens)
+                    tokens = _tokens(group, section.max_tokens)
+                    epoch_tokens += tokens
+                    self.tokens += tokens
                 epoch_ends = index + 1 == len(todo) or todo[index + 1][0] != epoch
                 if epoch_ends:  # the epoch's rate, before its last resume state is written
                     self._synchronize()

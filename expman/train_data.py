@@ -32,12 +32,12 @@ from typing import Any
 import torch
 
 from expman.errors import ExpmanError
+from expman.extract import TENSORS, load_shard
 from expman.objective import Packed
-from expman.shards import verify_shard
 
 __all__ = ["BatchFeed", "SampleRef", "ShardReader", "batch_plan", "index_samples", "split_samples"]
 
-PER_TOKEN = ["input_ids", "loss_mask", "aux_hidden_states", "final_hidden_states", "verifier_top1"]
+PER_TOKEN = [name for name in TENSORS if name != "sample_offsets"]
 """The shard tensors a packed row is made of (``sample_offsets`` only locates the documents)."""
 
 
@@ -148,17 +148,9 @@ class ShardReader:
         return self.pool.submit(self._load, shard)
 
     def _load(self, shard: int) -> dict[str, torch.Tensor]:
-        from safetensors.torch import load_file
-
-        entry = self.manifest["shards"][shard]
-        folder = Path(self.manifest["shard_dir"])
-        path = folder / entry["path"] if shard in self.verified else verify_shard(folder, entry)
+        tensors = load_shard(self.manifest, shard, verify=shard not in self.verified)
         self.verified.add(shard)
-        return load_file(str(path))
-
-    def shard_bytes(self) -> int:
-        """The largest shard's size: the unit of the feed's host memory."""
-        return max(entry["bytes"] for entry in self.manifest["shards"])
+        return tensors
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
