@@ -45,6 +45,12 @@ class Backend(Protocol):
         conversation for engines that seed each request."""
         ...
 
+    def complete(
+        self, prompts: Sequence[list[int]], temperature: float, seeds: Sequence[int], max_new_tokens: int
+    ) -> list[GenOutput]:
+        """Continue token-id prompts (no chat template applied), each up to its end of turn."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -74,9 +80,15 @@ class HFBackend:
 
     def generate(self, batch: Sequence[Messages], temperature: float, seeds: Sequence[int]) -> list[GenOutput]:
         """Sampling draws from torch's global generator, which generate seeds once per shard."""
+        prompts = [self._prompt_ids(m) for m in batch]
+        return self.complete(prompts, temperature, seeds, self.params.max_new_tokens)
+
+    def complete(
+        self, prompts: Sequence[list[int]], temperature: float, seeds: Sequence[int], max_new_tokens: int
+    ) -> list[GenOutput]:
+        """Continue each token-id prompt up to its end of turn; sampling draws from torch's global generator."""
         import torch
 
-        prompts = [self._prompt_ids(m) for m in batch]
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         results: list[GenOutput | None] = [None] * len(prompts)
         size = self.params.batch_size
@@ -93,7 +105,7 @@ class HFBackend:
                 out = self.model.generate(
                     input_ids=ids.to(self.device),
                     attention_mask=mask.to(self.device),
-                    max_new_tokens=self.params.max_new_tokens,
+                    max_new_tokens=max_new_tokens,
                     pad_token_id=self.pad_id,
                     **sampling,
                 )
@@ -102,7 +114,7 @@ class HFBackend:
                 stop = next((n for n, t in enumerate(generated) if t in self.eos_ids), None)
                 kept = generated if stop is None else generated[: stop + 1]
                 text = self.tokenizer.decode(kept, skip_special_tokens=True)
-                results[i] = GenOutput(prompts[i], kept, text, "length" if stop is None else "stop")
+                results[i] = GenOutput(list(prompts[i]), kept, text, "length" if stop is None else "stop")
         return [r for r in results if r is not None]
 
 
@@ -156,6 +168,61 @@ def _regenerate(
     return records
 
 
+def _self_prompts(
+    backend: Backend | None,
+    verifier_dir: Path,
+    section: GenerateParams,
+    settings: dict[str, Any],
+    conversations: dict[str, list[Conversation]],
+    out_dir: Path,
+) -> tuple[Backend | None, dict[str, Any]]:
+    """Add the prompts the verifier writes itself to the train conversations (written once, then reused while
+    their plan is unchanged); return the backend, if one was started, and the prompts' manifest entry."""
+    import torch
+
+    from expman.self_prompts import PromptFilter, user_turn_prefix, write_prompts
+    from expman.verifier import load_tokenizer
+
+    wanted = section.self_prompts
+    heldout = [turn for c in conversations.get("heldout", []) for turn in c.user_turns]
+    known = [turn for c in conversations.get("train", []) for turn in c.user_turns]
+    tokenizer = load_tokenizer(verifier_dir)
+    prefix = user_turn_prefix(tokenizer, section.chat_template_kwargs)
+    shards = ShardSet(out_dir / "self_prompts")
+    key = sha256_json(
+        {
+            "settings": {**settings, "backend": section.backend, "device": section.device},
+            "self_prompts": wanted.model_dump(),
+            "prefix": prefix,
+            "heldout": heldout,
+            "known": known,
+        }
+    )
+    name = "prompts.jsonl"
+    entry = shards.done(name, key)
+    if entry is None:
+        backend = backend or _make_backend(verifier_dir, section)
+        torch.manual_seed(wanted.seed)  # the hf backend samples from the global generator
+        report = write_prompts(backend, prefix, PromptFilter(wanted, heldout, known), section.batch_size)
+        records = enumerate(report.prompts)
+        lines = [{"id": f"self-{i:06d}", "category": wanted.category, "prompt": p} for i, p in records]
+        entry = shards.write(name, key, _write_jsonl(lines), **report.facts(wanted))
+    shards.remove_others({name})
+    path = verify_shard(shards.folder, entry)
+    with open(path, encoding="utf-8") as handle:
+        records = [json.loads(line) for line in handle]
+    conversations.setdefault("train", []).extend(
+        Conversation(r["id"], r["category"], "train", None, (r["prompt"],)) for r in records
+    )
+    return backend, {**entry, "path": f"self_prompts/{name}"}
+
+
+def _self_prompt_metrics(entry: dict[str, Any]) -> dict[str, float]:
+    counts = {"candidates": entry["candidates"], "kept": entry["kept"]}
+    counts.update({f"dropped.{reason}": n for reason, n in entry["dropped"].items()})
+    return {f"self_prompts.{name}": float(n) for name, n in counts.items()}
+
+
 def _write_jsonl(records: list[dict[str, Any]]) -> Any:
     def write(tmp: Path) -> None:
         with open(tmp, "w", encoding="utf-8") as handle:
@@ -181,17 +248,23 @@ def generate(params: Params, verifier_dir: Path, out_dir: Path) -> dict[str, Any
                 raise ExpmanError(f"{spec.path}: id {conversation.id!r} also appears in {seen[conversation.id]}")
             seen[conversation.id] = spec.path
             conversations.setdefault(spec.split, []).append(conversation)
-    originals = conversations.get("train", [])
-    for k in range(1, section.sampled_responses + 1):  # after the originals: their shards stay as they were
-        conversations["train"] = conversations["train"] + [c.sampled(k) for c in originals]
     upstream = {"prepare": upstream_entry(verifier_dir / "manifest.json", verifier_manifest)}
     settings = {
         "verifier_weights": verifier_manifest["verifier"]["weights_sha256"],
         "tokenizer": verifier_manifest["verifier"]["tokenizer_sha256"],
-        **section.model_dump(exclude={"datasets", "shard_size", "batch_size", "device", "tensor_parallel_size"}),
+        **section.model_dump(
+            exclude={"datasets", "shard_size", "batch_size", "device", "tensor_parallel_size", "self_prompts"}
+        ),
     }
     with stage_run("generate", section.model_dump(), upstream) as run:
         backend: Backend | None = None
+        self_prompted: dict[str, Any] | None = None
+        if section.self_prompts.count:
+            backend, self_prompted = _self_prompts(backend, verifier_dir, section, settings, conversations, out_dir)
+            run.log_metrics(_self_prompt_metrics(self_prompted))
+        originals = conversations.get("train", [])
+        for k in range(1, section.sampled_responses + 1):  # after the originals: their shards stay as they were
+            conversations["train"] = conversations["train"] + [c.sampled(k) for c in originals]
         splits: dict[str, Any] = {}
         total = sum(len(c) for c in conversations.values())
         started = time.perf_counter()
@@ -232,6 +305,8 @@ def generate(params: Params, verifier_dir: Path, out_dir: Path) -> dict[str, Any
             metrics["generated_tok_per_s"] = new_tokens / elapsed
         run.log_metrics(metrics)
         facts = {"backend": section.backend, "verifier": verifier_manifest["verifier"], "splits": splits}
+        if self_prompted is not None:
+            facts["self_prompts"] = self_prompted
         remove_stale_temps(out_dir / "manifest.json")  # left by a kill during an earlier write
         return run.write_manifest(out_dir / "manifest.json", facts)
 

@@ -28,6 +28,7 @@ __all__ = [
     "ExtractParams",
     "GenerateParams",
     "Params",
+    "SelfPromptParams",
     "PrepareParams",
     "PromoteParams",
     "RegisterParams",
@@ -125,6 +126,26 @@ class DatasetSpec(Section):
         return value
 
 
+class SelfPromptParams(Section):
+    """generate.self_prompts: user turns the verifier writes itself from its chat template (Magpie), answered and
+    trained on like the train datasets' prompts. Held-out prompts and near copies of them are never kept."""
+
+    count: int = Field(default=0, ge=0)
+    """Prompts to keep; 0 = off."""
+    max_candidates: PositiveInt = 1_000_000
+    """Stop sampling after this many candidates even when fewer than ``count`` passed the filters."""
+    temperature: float = Field(default=1.0, gt=0.0, le=2.0)
+    max_tokens: PositiveInt = 128
+    """A candidate that has not ended its turn by then is dropped as too long."""
+    min_words: PositiveInt = 3
+    max_words: PositiveInt = 200
+    near_duplicate: float = Field(default=0.7, gt=0.0, le=1.0)
+    """Jaccard similarity of character 5-gram sets at which two prompts are near-duplicates (and the containment
+    of a held-out prompt at which a candidate is a near copy of it)."""
+    seed: int = 0
+    category: str = "self"
+
+
 class GenerateParams(Section):
     """generate: regenerate assistant responses with the verifier's own chat template."""
 
@@ -151,6 +172,7 @@ class GenerateParams(Section):
     """Compute dtype; auto = float32 on CPU (bf16 is slow on AVX2), bfloat16 on CUDA."""
     tensor_parallel_size: PositiveInt = 1
     """vLLM backend only: GPUs to shard the verifier over."""
+    self_prompts: SelfPromptParams = SelfPromptParams()
 
     @field_validator("datasets")
     @classmethod

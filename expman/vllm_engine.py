@@ -46,7 +46,7 @@ class VllmGenerator:
         dtype = {"auto": "float32" if device == "cpu" else "bfloat16"}.get(params.dtype, params.dtype)
         self.params = params
         whole_prefills = {}
-        if device == "cpu" and (params.temperature > 0 or params.sampled_responses > 0):
+        if device == "cpu" and (params.temperature > 0 or params.sampled_responses > 0 or params.self_prompts.count):
             # vLLM CPU 0.32 crashes ("CPU Generator does not use offset") when it rewinds a seeded request's
             # generator after a partial prefill; with chunked prefill off every prefill is whole
             length = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings", 8192)
@@ -83,15 +83,24 @@ class VllmGenerator:
             chat_template_kwargs=self.params.chat_template_kwargs or None,
             use_tqdm=False,
         )
-        return [
-            GenOutput(
-                list(o.prompt_token_ids),
-                list(o.outputs[0].token_ids),
-                o.outputs[0].text,
-                o.outputs[0].finish_reason or "stop",
-            )
-            for o in outputs
-        ]
+        return [_gen_output(o) for o in outputs]
+
+    def complete(
+        self, prompts: Sequence[list[int]], temperature: float, seeds: Sequence[int], max_new_tokens: int
+    ) -> list[GenOutput]:
+        """Continue token-id prompts (no chat template applied), each request seeded."""
+        import vllm
+
+        sampling = [vllm.SamplingParams(temperature=temperature, max_tokens=max_new_tokens, seed=s) for s in seeds]
+        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sampling, use_tqdm=False)
+        return [_gen_output(o) for o in outputs]
+
+
+def _gen_output(request: Any) -> GenOutput:
+    output = request.outputs[0]
+    return GenOutput(
+        list(request.prompt_token_ids), list(output.token_ids), output.text, output.finish_reason or "stop"
+    )
 
 
 @dataclass

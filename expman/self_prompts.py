@@ -1,0 +1,196 @@
+"""Prompts the verifier writes itself (the Magpie method): sampled from its chat template's user-turn prefix.
+
+Given only the text a chat template puts before a user's message, an instruction-tuned model writes a plausible
+user turn and closes it with its end-of-turn token. That yields as many distinct prompts as one samples, in the
+verifier's own distribution, with no dataset to download. Candidates then pass filters (empty, too short, too long,
+not text, refusals), exact and near-duplicate removal (MinHash LSH over character 5-grams, from datasketch), and
+a guard that no held-out prompt, nor a near copy of one, enters training (exact Jaccard and containment against
+every held-out turn, not a probabilistic index). The report counts what each filter dropped.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from expman.errors import ExpmanError
+from expman.params import SelfPromptParams
+
+__all__ = ["DROP_REASONS", "PromptFilter", "SelfPromptReport", "user_turn_prefix", "write_prompts"]
+
+DROP_REASONS = (
+    "empty",
+    "too_short",
+    "too_long",
+    "not_text",
+    "refusal",
+    "exact_duplicate",
+    "near_duplicate",
+    "heldout_near_copy",
+)
+SHINGLE = 5
+MINHASH_PERMUTATIONS = 128
+SENTINEL = "\x00expman-user-turn\x00"
+REFUSAL = re.compile(
+    r"\b(i'?m sorry|i am sorry|i apologi[sz]e|i can(?:'|no)t (?:help|assist|answer|provide)|i'?m unable|"
+    r"i am unable|as an ai\b|as a language model)",
+    re.IGNORECASE,
+)
+CHARACTERS_OF_TEXT = {"L", "N", "P", "Z", "S"}  # letters, numbers, punctuation, separators, symbols
+
+
+def user_turn_prefix(tokenizer: Any, chat_template_kwargs: dict[str, Any]) -> list[int]:
+    """The token ids the chat template puts before a user's message (its default system turn included): render a
+    conversation whose one user message is a sentinel and keep what precedes it."""
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": SENTINEL}], tokenize=False, add_generation_prompt=False, **chat_template_kwargs
+    )
+    if SENTINEL not in rendered:
+        raise ExpmanError("generate.self_prompts: the verifier's chat template does not render a user message verbatim")
+    return list(tokenizer(rendered.split(SENTINEL, 1)[0], add_special_tokens=False)["input_ids"])
+
+
+def _normal(text: str) -> str:
+    """Casefolded words of ``text``, joined by single spaces (punctuation dropped): the exact-duplicate key."""
+    return " ".join(re.findall(r"\w+", unicodedata.normalize("NFKC", text).casefold()))
+
+
+def _shingles(text: str) -> set[str]:
+    normal = _normal(text)
+    if len(normal) <= SHINGLE:
+        return {normal}
+    return {normal[i : i + SHINGLE] for i in range(len(normal) - SHINGLE + 1)}
+
+
+def _is_text(text: str) -> bool:
+    """Printable text, at least half of it letters: not control bytes, replacement characters or symbol runs."""
+    if "\ufffd" in text or any(unicodedata.category(c)[0] not in CHARACTERS_OF_TEXT for c in text if c not in "\n\t"):
+        return False
+    visible = [c for c in text if not c.isspace()]
+    return sum(c.isalpha() for c in visible) >= len(visible) / 2
+
+
+@dataclass
+class PromptFilter:
+    """Keeps candidates that pass every filter and duplicate none kept before them, nor any protected text."""
+
+    settings: SelfPromptParams
+    heldout: Sequence[str]
+    """Held-out turns: a near copy of one (Jaccard or containment at ``near_duplicate``) is never kept."""
+    known: Iterable[str] = ()
+    """Prompts already in training: duplicates of these are dropped too."""
+    dropped: Counter[str] = field(default_factory=Counter)
+
+    def __post_init__(self) -> None:
+        from datasketch import MinHashLSH
+
+        self._lsh = MinHashLSH(threshold=self.settings.near_duplicate, num_perm=MINHASH_PERMUTATIONS)
+        self._exact: set[str] = set()
+        self._heldout = [_shingles(t) for t in self.heldout]
+        self._heldout_normal = {_normal(t) for t in self.heldout}
+        self._by_shingle: dict[str, list[int]] = {}
+        for index, shingles in enumerate(self._heldout):
+            for shingle in shingles:
+                self._by_shingle.setdefault(shingle, []).append(index)
+        for text in self.known:
+            self._remember(text, _shingles(text))
+
+    def _remember(self, text: str, shingles: set[str]) -> None:
+        key = _normal(text)
+        if key in self._exact:
+            return
+        self._exact.add(key)
+        self._lsh.insert(str(len(self._exact)), self._minhash(shingles))
+
+    @staticmethod
+    def _minhash(shingles: set[str]) -> Any:
+        from datasketch import MinHash
+
+        signature = MinHash(num_perm=MINHASH_PERMUTATIONS, seed=1)
+        signature.update_batch([s.encode() for s in shingles])
+        return signature
+
+    def near_heldout(self, text: str) -> bool:
+        """True when ``text`` equals, overlaps (Jaccard) or contains a held-out turn at the threshold; exact."""
+        if _normal(text) in self._heldout_normal:
+            return True
+        shingles = _shingles(text)
+        shared = Counter(i for s in shingles for i in self._by_shingle.get(s, ()))
+        threshold = self.settings.near_duplicate
+        for index, common in shared.items():
+            other = self._heldout[index]
+            if common / len(shingles | other) >= threshold or common / len(other) >= threshold:
+                return True
+        return False
+
+    def reason(self, text: str, stopped: bool) -> str | None:
+        """Why ``text`` (a candidate that ended its turn when ``stopped``) is dropped, or None to keep it."""
+        words = len(text.split())
+        if not text.strip():
+            return "empty"
+        if not stopped or words > self.settings.max_words:
+            return "too_long"
+        if words < self.settings.min_words:
+            return "too_short"
+        if not _is_text(text):
+            return "not_text"
+        if REFUSAL.search(text):
+            return "refusal"
+        if self.near_heldout(text):
+            return "heldout_near_copy"
+        if _normal(text) in self._exact:
+            return "exact_duplicate"
+        shingles = _shingles(text)
+        if self._lsh.query(self._minhash(shingles)):
+            return "near_duplicate"
+        self._remember(text, shingles)
+        return None
+
+    def keep(self, text: str, stopped: bool) -> bool:
+        reason = self.reason(text, stopped)
+        if reason is not None:
+            self.dropped[reason] += 1
+        return reason is None
+
+
+@dataclass(frozen=True)
+class SelfPromptReport:
+    """What prompt writing did: candidates sampled, prompts kept, and what each filter dropped."""
+
+    prompts: list[str]
+    candidates: int
+    dropped: dict[str, int]
+
+    def facts(self, settings: SelfPromptParams) -> dict[str, Any]:
+        return {
+            "settings": settings.model_dump(),
+            "candidates": self.candidates,
+            "kept": len(self.prompts),
+            "dropped": self.dropped,
+        }
+
+
+def write_prompts(backend: Any, prefix: list[int], prompt_filter: PromptFilter, batch_size: int) -> SelfPromptReport:
+    """Sample user turns from ``prefix`` in seeded batches until ``count`` pass ``prompt_filter`` or
+    ``max_candidates`` were examined. Candidate i is drawn with seed ``seed + i``: the same settings give the same
+    prompts on the same engine and device. Samples past the ``count``-th kept prompt are not examined."""
+    settings = prompt_filter.settings
+    kept: list[str] = []
+    candidates = 0
+    while len(kept) < settings.count and candidates < settings.max_candidates:
+        size = min(batch_size, settings.max_candidates - candidates)
+        seeds = [settings.seed + candidates + i for i in range(size)]
+        outputs = backend.complete([prefix] * size, settings.temperature, seeds, settings.max_tokens)
+        for output in outputs:
+            if len(kept) == settings.count:
+                break
+            candidates += 1
+            text = output.text.strip()
+            if prompt_filter.keep(text, output.finish_reason == "stop"):
+                kept.append(text)
+    dropped = {reason: prompt_filter.dropped[reason] for reason in DROP_REASONS}
+    return SelfPromptReport(kept, candidates, dropped)
