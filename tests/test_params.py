@@ -176,7 +176,7 @@ def test_missing_preset_file(project: Path) -> None:
         load_params("params.yaml")
 
 
-@pytest.mark.parametrize("preset", ["default", "quality"])
+@pytest.mark.parametrize("preset", sorted(p.stem for p in (REPO / "presets").glob("*.yaml")))
 def test_shipped_presets_validate_and_list_every_stage_section(
     preset: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -188,6 +188,6 @@ def test_shipped_presets_validate_and_list_every_stage_section(
     (tmp_path / "presets").symlink_to(REPO / "presets")
     monkeypatch.chdir(REPO)  # the shipped params name files of the project
     params = load_params(tmp_path / "params.yaml")
-    assert (params.train.norm_before_residual, params.generate.sampled_responses) == (
-        (True, 2) if preset == "quality" else (False, 0)
-    )
+    expected = {"default": (False, 0, 0), "quality": (True, 2, 0), "gpu": (True, 0, 16000)}[preset]
+    generate = params.generate
+    assert (params.train.norm_before_residual, generate.sampled_responses, generate.self_prompts.count) == expected
