@@ -22,6 +22,18 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+DTYPE_FLAGS = {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}
+
+
+def cpu_flags() -> list[str]:
+    """The CPU flags that decide matmul speed per dtype (AVX2 only, AVX512, native bf16, AMX), from /proc/cpuinfo."""
+    cpuinfo = Path("/proc/cpuinfo")
+    for line in cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []:
+        if line.startswith("flags"):
+            return sorted(set(line.split(":", 1)[1].split()) & DTYPE_FLAGS)
+    return []
+
+
 def greedy_equality(evaluation: dict[str, Any], arm: str) -> dict[str, dict[str, Any]]:
     """Per k of one arm of an evaluation.json: greedy mismatches, tie flips and the largest gap (units in the last
     place) among the divergences counted as ties."""

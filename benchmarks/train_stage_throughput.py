@@ -32,7 +32,7 @@ from pathlib import Path
 
 import click
 import torch
-from reporting import SHAPES, cpu_name, write_report
+from reporting import SHAPES, cpu_flags, cpu_name, write_report
 from train_throughput import measure, run_peer
 
 from expman.extract import save_streamed
@@ -268,20 +268,12 @@ def _report(device: str, results: list) -> dict:
         "command": "python " + " ".join(sys.argv),
         "device": torch.cuda.get_device_name() if device == "cuda" else None,
         "cpu": cpu_name(),
-        "cpu_flags": sorted(_cpu_flags() & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}),
+        "cpu_flags": cpu_flags(),
         "cpu_threads": os.cpu_count(),
         "epoch_rate": "tokens of the epoch's steps / their seconds; the run's first step (compile) left out",
         "results": results,
         "packages": package_versions(),
     }
-
-
-def _cpu_flags() -> set[str]:
-    cpuinfo = Path("/proc/cpuinfo")
-    for line in cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []:
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
 
 
 if __name__ == "__main__":

@@ -178,9 +178,12 @@ def write_prompts(backend: Any, prefix: list[int], prompt_filter: PromptFilter, 
     """Sample user turns from ``prefix`` in seeded batches until ``count`` pass ``prompt_filter`` or
     ``max_candidates`` were examined. Candidate i is drawn with seed ``seed + i``: the same settings give the same
     prompts on the same engine and device. Samples past the ``count``-th kept prompt are not examined."""
+    from tqdm import tqdm
+
     settings = prompt_filter.settings
     kept: list[str] = []
     candidates = 0
+    bar = tqdm(total=settings.count, desc="self prompts", unit="prompt")
     while len(kept) < settings.count and candidates < settings.max_candidates:
         size = min(batch_size, settings.max_candidates - candidates)
         seeds = [settings.seed + candidates + i for i in range(size)]
@@ -192,5 +195,8 @@ def write_prompts(backend: Any, prefix: list[int], prompt_filter: PromptFilter, 
             text = output.text.strip()
             if prompt_filter.keep(text, output.finish_reason == "stop"):
                 kept.append(text)
+                bar.update()
+        bar.set_postfix(candidates=candidates)
+    bar.close()
     dropped = {reason: prompt_filter.dropped[reason] for reason in DROP_REASONS}
     return SelfPromptReport(kept, candidates, dropped)

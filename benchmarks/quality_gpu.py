@@ -1,0 +1,155 @@
+"""The whole graph on one GPU as a user runs it (``dvc exp run -S preset=gpu``, real DVC and MLflow), and its
+report: stage times, data sizes, reference τ per k and per category, and the engine's τ of the same drafter.
+
+A machine that runs a command for at most a few minutes at a time runs the graph in several calls; each call
+resumes where the last one stopped (generate and extract by shard, train from its last checkpoint):
+
+  python benchmarks/quality_gpu.py run --deadline-s 540     # again until it prints "graph finished"
+  python benchmarks/quality_gpu.py report --device-seconds 1500 --out benchmarks/results/quality_gpu_h200.json
+
+Then, where vLLM is installed, the benchmark stage serves the GPU-trained drafters (``dvc repro benchmark`` with
+``benchmark.engine: vllm``), and ``report --engine data/benchmark/benchmark.json`` adds the engine's τ.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+from reporting import cpu_flags, cpu_name, write_report
+
+STAGES = ("prepare", "generate", "extract", "vocab", "baseline", "train", "evaluate", "benchmark", "register")
+CALLS = Path(".quality_gpu_calls.json")  # one row per `run` call, beside the project's other local state
+
+
+@click.group()
+def main() -> None:
+    """Run the GPU preset's graph across calls, and report it."""
+
+
+@main.command()
+@click.option("--deadline-s", type=float, default=540.0, help="Interrupt the graph cleanly after this long.")
+@click.option("--preset", default="gpu")
+def run(deadline_s: float, preset: str) -> None:
+    """``dvc exp run -S preset=<preset>`` until it finishes or the deadline; an interrupted stage resumes next time."""
+    started = time.time()
+    process = subprocess.Popen(["dvc", "exp", "run", "-S", f"preset={preset}"], start_new_session=True)
+    try:
+        code = process.wait(timeout=max(deadline_s, 1.0))
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGINT)  # the stage's KeyboardInterrupt; shards and checkpoints stay
+        try:
+            code = process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            code = process.wait()
+        code = code or 130
+    calls = json.loads(CALLS.read_text()) if CALLS.is_file() else []
+    calls.append({"started": started, "seconds": time.time() - started, "exit_code": code})
+    CALLS.write_text(json.dumps(calls, indent=1))
+    click.echo("graph finished" if code == 0 else f"graph interrupted or failed (exit {code}); run again to resume")
+    sys.exit(0 if code in (0, 130) else code)
+
+
+def _stage_runs() -> dict[str, dict[str, Any]]:
+    """Per stage, its MLflow runs in this project's store: how many, their statuses and their summed seconds."""
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{Path('mlflow.db').resolve()}")
+    stages: dict[str, dict[str, Any]] = {}
+    for run in mlflow.search_runs(search_all_experiments=True, output_format="list"):
+        stage = run.data.tags.get("expman.stage")
+        if stage is None or run.info.end_time is None:
+            continue
+        row = stages.setdefault(stage, {"runs": 0, "statuses": [], "seconds": 0.0})
+        row["runs"] += 1
+        row["statuses"].append(run.info.status)
+        row["seconds"] += (run.info.end_time - run.info.start_time) / 1000
+    return {stage: stages[stage] for stage in STAGES if stage in stages}
+
+
+def _data_sizes() -> dict[str, Any]:
+    generated = json.loads(Path("data/generated/manifest.json").read_text())
+    extracted = json.loads(Path("data/extract/manifest.json").read_text())
+    splits = {
+        split: {key: facts[key] for key in ("records", "failed", "prompt_tokens", "response_tokens")}
+        for split, facts in generated["splits"].items()
+    }
+    written = generated.get("self_prompts")
+    return {
+        "generated": splits,
+        "self_prompts": None
+        if written is None
+        else {key: written[key] for key in ("candidates", "kept", "dropped", "settings")},
+        "extract": {key: extracted[key] for key in ("tokens", "bytes") if key in extracted},
+    }
+
+
+def _tau(evaluation: dict[str, Any]) -> dict[str, Any]:
+    """Reference τ per arm and k, overall and per held-out category, from the evaluate stage's evaluation.json."""
+    summary = evaluation["summary"]
+    arms = list(evaluation["arms"])
+
+    def per_k(block: dict[str, Any]) -> dict[str, dict[str, float]]:
+        return {arm: {key: values["tau"] for key, values in block[arm].items()} for arm in arms}
+
+    return {
+        "prompts": summary["prompts"],
+        "tau": per_k(summary),
+        "speedup": {arm: {key: v["speedup"] for key, v in summary[arm].items()} for arm in arms},
+        "tau_by_category": {c: per_k(block) for c, block in summary["by_category"].items()},
+        "greedy_mismatches": {arm: {k: v["greedy_mismatches"] for k, v in summary[arm].items()} for arm in arms},
+    }
+
+
+@main.command()
+@click.option("--device-seconds", type=float, default=None, help="Device time the whole graph used, starts included.")
+@click.option("--device", "device_name", default=None, help="The GPU it ran on (default: this machine's).")
+@click.option("--engine", type=click.Path(exists=True, path_type=Path), default=None, help="A benchmark.json.")
+@click.option("--out", type=click.Path(path_type=Path), default=None)
+def report(device_seconds: float | None, device_name: str | None, engine: Path | None, out: Path | None) -> None:
+    """Collect the finished graph's stage times, data sizes and τ into one JSON (merged into ``--out``'s)."""
+    result: dict[str, Any] = json.loads(out.read_text()) if out is not None and out.is_file() else {}
+    if Path("data/evaluate/evaluation.json").is_file():
+        import torch
+
+        evaluation = json.loads(Path("data/evaluate/evaluation.json").read_text())
+        tau = _tau(evaluation)
+        result.update(
+            benchmark="quality_gpu",
+            command="dvc exp run -S preset=gpu (python benchmarks/quality_gpu.py run, once per device call)",
+            candidate_tau_k3=tau["tau"]["candidate"].get("k3"),
+            baseline_tau_k3=tau["tau"]["baseline"].get("k3"),
+            device=device_name or (torch.cuda.get_device_name() if torch.cuda.is_available() else cpu_name()),
+            cpu=cpu_name(),
+            cpu_flags=cpu_flags(),
+            cpu_threads=os.cpu_count(),
+            evaluate={"device": evaluation["device"], "dtype": evaluation["dtype"], **tau},
+            stages=_stage_runs(),
+            data=_data_sizes(),
+            calls=json.loads(CALLS.read_text()) if CALLS.is_file() else [],
+        )
+        result["device_seconds"] = device_seconds
+    if engine is not None:
+        bench = json.loads(engine.read_text())
+        arms = bench["arms"]
+        result["vllm_cpu_tau_k3"] = arms["candidate"]["k"].get("3", {}).get("engine", {}).get("tau")
+        result["engine"] = {
+            "where": f"{cpu_name()} ({', '.join(cpu_flags())}), {os.cpu_count()} threads",
+            "engine": bench["engine"],
+            "tau": {name: {k: v["engine"]["tau"] for k, v in arm["k"].items()} for name, arm in arms.items()},
+            "reference_tau": {name: {k: v["reference"]["tau"] for k, v in a["k"].items()} for name, a in arms.items()},
+            "integration_fault": {name: arm.get("integration_fault") for name, arm in arms.items()},
+        }
+    write_report(result, out)
+
+
+if __name__ == "__main__":
+    main()
