@@ -417,6 +417,7 @@ class _SqlReader(RegistryReader):
         import sqlalchemy as sa
 
         url = sa.engine.make_url(uri)
+        self.shown = url.render_as_string(hide_password=True)  # the store in error messages, password as ***
         if url.get_backend_name() == "sqlite":
             path = Path(url.database or "").resolve()
             if not path.is_file():
@@ -448,7 +449,7 @@ class _SqlReader(RegistryReader):
                 return list(connection.execute(query))
         except self.sa.exc.SQLAlchemyError as err:
             reason = str(err.orig if getattr(err, "orig", None) else err).splitlines()[0]
-            raise ExpmanError(f"tracking store: cannot read MLflow's tables ({reason})") from None
+            raise ExpmanError(f"tracking store {self.shown}: cannot read MLflow's tables ({reason})") from None
 
     def model_names(self, prefix: str) -> list[str]:
         m = self.models.c
@@ -548,13 +549,19 @@ class _RestReader(RegistryReader):
     ``MLFLOW_TRACKING_TOKEN`` or ``MLFLOW_TRACKING_USERNAME``/``PASSWORD``, as for mlflow itself."""
 
     def __init__(self, uri: str):
+        from urllib.parse import quote, urlsplit
+
         self.base = uri.rstrip("/")
+        self.shown = self.base  # the server in error messages: the user it is sent, never the password
         self.headers = {"Content-Type": "application/json"}
         if os.environ.get("MLFLOW_TRACKING_TOKEN"):
             self.headers["Authorization"] = f"Bearer {os.environ['MLFLOW_TRACKING_TOKEN']}"
         elif os.environ.get("MLFLOW_TRACKING_USERNAME"):
-            pair = f"{os.environ['MLFLOW_TRACKING_USERNAME']}:{os.environ.get('MLFLOW_TRACKING_PASSWORD', '')}"
+            user = os.environ["MLFLOW_TRACKING_USERNAME"]
+            pair = f"{user}:{os.environ.get('MLFLOW_TRACKING_PASSWORD', '')}"
             self.headers["Authorization"] = f"Basic {base64.b64encode(pair.encode()).decode()}"
+            parts = urlsplit(self.base)
+            self.shown = parts._replace(netloc=f"{quote(user, safe='')}:***@{parts.netloc}").geturl()
 
     def _fetch(
         self, route: str, query: Mapping[str, Any], body: Any = None, missing: tuple[str, ...] = ()
@@ -577,9 +584,9 @@ class _RestReader(RegistryReader):
             if err.code == 404 or payload.get("error_code") in ("RESOURCE_DOES_NOT_EXIST", *missing):
                 return None
             message = str(payload.get("message", err.reason)).splitlines()[0]
-            raise ExpmanError(f"tracking server: {route}: HTTP {err.code}: {message}") from None
+            raise ExpmanError(f"tracking server {self.shown}: {route}: HTTP {err.code}: {message}") from None
         except URLError as err:
-            raise ExpmanError(f"tracking server: unreachable ({err.reason})") from None
+            raise ExpmanError(f"tracking server {self.shown}: unreachable ({err.reason})") from None
 
     def _api(self, endpoint: str, body: Any = None, missing: tuple[str, ...] = (), **query: Any) -> dict | None:
         raw = self._fetch(f"api/2.0/mlflow/{endpoint}", query, body, missing)
