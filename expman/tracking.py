@@ -4,7 +4,8 @@ model registry (versions, tags, aliases).
 Tracking URI: ``MLFLOW_TRACKING_URI`` when set, else ``sqlite:///<project>/mlflow.db`` (never ``./mlruns``);
 artifacts of the default store go to ``<project>/mlartifacts``. Each run carries the git sha, the stage, the
 DVC experiment name, the dvc.lock digest, and per upstream stage its manifest digest and run id; its
-description links to those runs, so a user can walk from any run to the runs that produced its inputs.
+description links to those runs, so a user can walk from any run to the runs that produced its inputs. The
+experiment is tagged as model training, so the UI opens it on the runs table, not the GenAI overview.
 Runs and registry live in the same store: expman passes the tracking URI as the registry URI too.
 
 Writes (stage runs, register, promote, import) go through the mlflow client. Reads for ``expman compare`` and
@@ -58,6 +59,9 @@ CONTENDED = (  # how a write that lost a race to another writer fails, on sqlite
 T = TypeVar("T")
 
 MAX_PARAM_LENGTH = 6000
+KIND_TAG, KIND = "mlflow.experimentKind", "custom_model_development"
+"""The experiment tag MLflow's UI reads to open an experiment on its runs table ("Model training") instead of the
+GenAI overview."""
 
 # MLflow's usage telemetry is off unless the user turns it on: expman sends nothing unasked, and offline the
 # telemetry thread edits os.environ while requests reads it (a KeyError crashed a registrant in test_team).
@@ -160,19 +164,24 @@ def _project_store(uri: str, root: Path) -> bool:
 
 
 def _experiment_id(client: Any, name: str, uri: str, root: Path) -> str:
-    """The experiment's id, created on first use; when another process created it in between, that one is used."""
+    """The experiment's id, created on first use; when another process created it in between, that one is used.
+    It carries ``KIND_TAG``: an existing experiment without it gets it, one of another kind keeps its own."""
     from mlflow.exceptions import MlflowException
 
     experiment = client.get_experiment_by_name(name)
-    if experiment is not None:
-        return experiment.experiment_id
-    location = (root / "mlartifacts").as_uri() if _project_store(uri, root) else None
-    try:
-        return _retry_contended(lambda: client.create_experiment(name, artifact_location=location))
-    except MlflowException as err:
-        if err.error_code != "RESOURCE_ALREADY_EXISTS":
-            raise
-    return client.get_experiment_by_name(name).experiment_id
+    if experiment is None:
+        location = (root / "mlartifacts").as_uri() if _project_store(uri, root) else None
+        try:
+            return _retry_contended(
+                lambda: client.create_experiment(name, artifact_location=location, tags={KIND_TAG: KIND})
+            )
+        except MlflowException as err:
+            if err.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+        experiment = client.get_experiment_by_name(name)
+    if KIND_TAG not in experiment.tags:
+        _retry_contended(lambda: client.set_experiment_tag(experiment.experiment_id, KIND_TAG, KIND))
+    return experiment.experiment_id
 
 
 def _run_link(client: Any, run_id: str) -> str:

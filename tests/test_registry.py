@@ -229,6 +229,20 @@ def test_import_speculators_folder_with_alias(store: Path) -> None:
         assert torch.equal(imported[name], tensor), name
 
 
+@pytest.mark.parametrize("existing", [False, True])
+def test_stage_runs_experiment_opens_on_the_runs_table(store: Path, existing: bool) -> None:
+    """MLflow's UI shows an experiment tagged ``mlflow.experimentKind: custom_model_development`` as model training
+    (the runs table), not as a GenAI app; an ``expman`` experiment made before the tag existed gets it too."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{store / 'mlflow.db'}")
+    if existing:
+        client.create_experiment("expman")
+    assert _cli("import", str(tiny_checkpoint(store / "spec")), "--name", "eagle3-tiny").exit_code == 0
+    tags = client.get_experiment_by_name("expman").tags
+    assert tags["mlflow.experimentKind"] == "custom_model_development"
+
+
 def test_import_eagle_folder_without_a_verifier(store: Path, model) -> None:
     export_eagle(model, store / "aq", "sglang")  # AQ-MedAI style: no embedding, no recorded convention...
     config = json.loads((store / "aq/config.json").read_text())
