@@ -20,13 +20,14 @@ from expman.tracking import StageRun, stage_run
 __all__ = ["baseline"]
 
 
-def _registrar(verifier_manifest: dict[str, Any], contract: dict[str, Any] | None):
-    """The finish step: register ``folder`` with alias ``baseline`` inside the stage's run."""
+def _registrar(verifier_manifest: dict[str, Any], contract: dict[str, Any] | None, extra: dict[str, str]):
+    """The finish step: register ``folder`` with alias ``baseline`` inside the stage's run, tagged with ``extra``
+    besides its role and contract."""
     from expman.registry import contract_tags, register_drafter, registered_model_name
 
     def finish(run: StageRun, folder: Path) -> dict[str, Any]:
         name = registered_model_name(verifier_manifest)
-        tags = {"expman.role": "baseline", **(contract_tags(contract) if contract else {})}
+        tags = {"expman.role": "baseline", **(contract_tags(contract) if contract else {}), **extra}
         version = register_drafter(run, folder, name, "baseline", tags)
         return {"registered": {"name": name, "version": version, "alias": "baseline"}}
 
@@ -34,8 +35,9 @@ def _registrar(verifier_manifest: dict[str, Any], contract: dict[str, Any] | Non
 
 
 def _import(params: Params, verifier_dir: Path, extract_dir: Path, out_dir: Path, metrics_path: Path) -> dict[str, Any]:
-    from expman.checkpoint import load_drafter, save_speculators
+    from expman.checkpoint import load_drafter, read_config, save_speculators
     from expman.objective import VerifierHead
+    from expman.registry import norm_tags
 
     section = params.baseline
     verifier_manifest = read_manifest(verifier_dir / "manifest.json", "prepare")
@@ -57,7 +59,7 @@ def _import(params: Params, verifier_dir: Path, extract_dir: Path, out_dir: Path
     upstream["source"] = {"manifest": str(source), "manifest_sha256": sha256_file(next(source.glob("*.safetensors")))}
     with stage_run("baseline", section.model_dump(), upstream) as run:
         save_speculators(drafter, out_dir, str(verifier_dir), [facts["architecture"]], speculative_tokens=3)
-        registered = _registrar(verifier_manifest, contract)(run, out_dir)
+        registered = _registrar(verifier_manifest, contract, norm_tags(read_config(source)))(run, out_dir)
         atomic_write_json(metrics_path, {"imported_from": str(source), "contract_notes": notes})
         return run.write_manifest(
             out_dir / "manifest.json",
@@ -92,5 +94,5 @@ def baseline(
         metrics_path,
         stage="baseline",
         sample_share=section.sample_fraction,
-        finish=_registrar(verifier_manifest, contract),
+        finish=_registrar(verifier_manifest, contract, {}),
     )

@@ -11,7 +11,8 @@ Its layer ids are written in the target engine's convention: ``vllm`` ids equal 
 ids), ``sglang`` ids are one lower (output-of-layer). The convention is recorded in ``expman_layer_convention``;
 an import without it must be told which convention the ids use: expman never guesses.
 
-Both formats set ``norm_before_residual`` explicitly: vLLM assumes True when it is missing, the trainers False.
+expman writes ``norm_before_residual`` in both formats. A config without it imports with the value the engines
+read for its format: False for EAGLE (AQ-MedAI's Kimi-K2 drafter omits it), True for speculators.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from expman.provenance import atomic_dir
 __all__ = [
     "export_eagle",
     "load_drafter",
+    "norm_before_residual",
     "read_checkpoint",
+    "read_config",
     "save_speculators",
     "validate_checkpoint",
     "write_eagle",
@@ -141,9 +144,8 @@ def write_eagle(config: DrafterConfig, tensors: dict[str, torch.Tensor], folder:
     )
 
 
-def _read(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    from safetensors.torch import load_file
-
+def read_config(folder: Path) -> dict[str, Any]:
+    """A checkpoint folder's ``config.json`` as it is written (no weights read)."""
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise ExpmanError(f"{folder}: no config.json (not a drafter checkpoint folder)")
@@ -153,6 +155,13 @@ def _read(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         raise ExpmanError(f"{config_file}: not valid JSON") from None
     if not isinstance(config, dict):
         raise ExpmanError(f"{config_file}: expected a JSON object")
+    return config
+
+
+def _read(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    config = read_config(folder)
     weights = sorted(folder.glob("*.safetensors"))
     if not weights:
         raise ExpmanError(f"{folder}: no .safetensors weights (pickle checkpoints are not loaded)")
@@ -168,6 +177,17 @@ def _read(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
 def _integer(value: Any) -> bool:
     """A JSON integer (not a bool, a float or a string)."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def norm_before_residual(config: dict[str, Any]) -> bool:
+    """The checkpoint config's ``norm_before_residual``; when it lacks the key, what the engines read for its format."""
+    if "norm_before_residual" in config:
+        return bool(config["norm_before_residual"])
+    # speculators: vLLM's loader fills in True (vllm/transformers_utils/configs/speculators/algos.py, update_eagle3:
+    # config_dict.get("norm_before_residual", True)). EAGLE: vLLM's drafter layer reads
+    # getattr(config, "norm_before_residual", False) (vllm/model_executor/models/llama_eagle3.py); SGLang's
+    # LlamaForCausalLMEagle3 (python/sglang/srt/models/llama_eagle3.py) keeps the raw residual too.
+    return config.get("speculators_model_type") == "eagle3"
 
 
 def _to_canonical(config: dict[str, Any], tensors: dict, convention: Convention | None, folder: Path) -> tuple:
@@ -200,8 +220,6 @@ def _to_canonical(config: dict[str, Any], tensors: dict, convention: Convention 
         raise ExpmanError(f"{folder}/config.json: layer ids are in the {stated} convention, not {convention}")
     if not isinstance(ids, list) or len(ids) != 3 or not all(map(_integer, ids)):
         raise ExpmanError(f"{folder}/config.json: eagle_aux_hidden_state_layer_ids must list 3 layer ids, got {ids}")
-    if "norm_before_residual" not in config:
-        raise ExpmanError(f"{folder}/config.json: norm_before_residual is missing (engines default it differently)")
     keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size")
     missing = [k for k in keys if k not in layer]
     if missing:
@@ -223,7 +241,7 @@ def _to_canonical(config: dict[str, Any], tensors: dict, convention: Convention 
         layer={k: v for k, v in layer.items() if k != "architectures"},
         draft_vocab_size=int(config["draft_vocab_size"]),
         aux_layer_ids=tuple(int(i) + CONVENTION_SHIFT[stated] for i in ids),
-        norm_before_residual=bool(config["norm_before_residual"]),
+        norm_before_residual=norm_before_residual(config),
     )
     return drafter, tensors
 

@@ -5,6 +5,8 @@ Relative paths in params are resolved against the working directory, the project
 
 ``preset: NAME`` selects ``presets/NAME.yaml`` beside params.yaml: its sections are merged over params.yaml's
 key by key (``dvc exp run -S preset=quality``; tune inside it with ``-S presets/quality.yaml:train.lr=1e-3``).
+A preset may leave a section empty (``{}``: no change), params.yaml may not leave one out: DVC tracks each stage's
+section of params.yaml, so a section that only the preset's defaults fill in would be one DVC cannot see change.
 """
 
 from __future__ import annotations
@@ -400,6 +402,8 @@ class PromoteParams(Section):
 
 PRESETS = "presets"
 """The folder beside params.yaml that holds the presets (``default.yaml`` changes nothing)."""
+STAGE_SECTIONS = ("prepare", "generate", "extract", "vocab", "baseline", "train", "evaluate", "benchmark", "register")
+"""The sections of params.yaml that dvc.yaml's stages track: each must be in params.yaml itself, as a mapping."""
 
 
 class Params(Section):
@@ -480,6 +484,13 @@ def load_params(path: str | Path = "params.yaml") -> Params:
     if not path.is_file():
         raise ExpmanError(f"{path}: params file not found")
     data = _read_mapping(path, "stage sections")
+    missing = [name for name in STAGE_SECTIONS if name not in data]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ExpmanError(f'{path}: section "{missing[0]}" is missing{more}')
+    wrong = next((name for name in STAGE_SECTIONS if not isinstance(data[name], dict)), None)
+    if wrong is not None:
+        raise ExpmanError(f'{path}: section "{wrong}" must be a mapping of keys (got {data[wrong]!r})')
     overlay: dict[str, Any] = {}
     preset_path = path
     if "preset" in data:  # absent: params.yaml alone

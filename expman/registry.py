@@ -41,6 +41,7 @@ __all__ = [
     "contract_tags",
     "export_version",
     "import_drafter",
+    "norm_tags",
     "register_drafter",
     "registered_model_name",
     "resolve_model",
@@ -89,6 +90,17 @@ def contract_tags(contract: Mapping[str, Any]) -> dict[str, str]:
         "expman.contract.final_state": contract["final_state"],
         "expman.contract.verifier.architecture": verifier["architecture"],
         "expman.contract.verifier.weights_sha256": verifier["weights_sha256"],
+    }
+
+
+def norm_tags(config: Mapping[str, Any]) -> dict[str, str]:
+    """The ``norm_before_residual`` an imported checkpoint's ``config`` gives, and whether it states it or the
+    engines' default for its format filled it in, as version tags."""
+    from expman.checkpoint import norm_before_residual
+
+    return {
+        "expman.import.norm_before_residual": str(norm_before_residual(config)).lower(),
+        "expman.import.norm_before_residual_defaulted": str("norm_before_residual" not in config).lower(),
     }
 
 
@@ -208,6 +220,7 @@ def import_drafter(path: Path, model_name: str, alias: str | None, layer_convent
             "expman.import.format": source_format,
             "expman.contract.aux_layers": json.dumps(list(config.aux_layer_ids)),
             "expman.contract.layer_convention": "vllm",
+            **norm_tags(raw),
         }
         return register_drafter(run, canonical, model_name, alias, tags)
 

@@ -4,7 +4,8 @@ model registry (versions, tags, aliases).
 Tracking URI: ``MLFLOW_TRACKING_URI`` when set, else ``sqlite:///<project>/mlflow.db`` (never ``./mlruns``);
 artifacts of the default store go to ``<project>/mlartifacts``. Each run carries the git sha, the stage, the
 DVC experiment name, the dvc.lock digest, and per upstream stage its manifest digest and run id; its
-description links to those runs, so a user can walk from any run to the runs that produced its inputs.
+description links to those runs, so a user can walk from any run to the runs that produced its inputs. The
+experiment is tagged as model training, so the UI opens it on the runs table, not the GenAI overview.
 Runs and registry live in the same store: expman passes the tracking URI as the registry URI too.
 
 Writes (stage runs, register, promote, import) go through the mlflow client. Reads for ``expman compare`` and
@@ -58,6 +59,9 @@ CONTENDED = (  # how a write that lost a race to another writer fails, on sqlite
 T = TypeVar("T")
 
 MAX_PARAM_LENGTH = 6000
+KIND_TAG, KIND = "mlflow.experimentKind", "custom_model_development"
+"""The experiment tag MLflow's UI reads to open an experiment on its runs table ("Model training") instead of the
+GenAI overview."""
 
 # MLflow's usage telemetry is off unless the user turns it on: expman sends nothing unasked, and offline the
 # telemetry thread edits os.environ while requests reads it (a KeyError crashed a registrant in test_team).
@@ -160,19 +164,24 @@ def _project_store(uri: str, root: Path) -> bool:
 
 
 def _experiment_id(client: Any, name: str, uri: str, root: Path) -> str:
-    """The experiment's id, created on first use; when another process created it in between, that one is used."""
+    """The experiment's id, created on first use; when another process created it in between, that one is used.
+    It carries ``KIND_TAG``: an existing experiment without it gets it, one of another kind keeps its own."""
     from mlflow.exceptions import MlflowException
 
     experiment = client.get_experiment_by_name(name)
-    if experiment is not None:
-        return experiment.experiment_id
-    location = (root / "mlartifacts").as_uri() if _project_store(uri, root) else None
-    try:
-        return _retry_contended(lambda: client.create_experiment(name, artifact_location=location))
-    except MlflowException as err:
-        if err.error_code != "RESOURCE_ALREADY_EXISTS":
-            raise
-    return client.get_experiment_by_name(name).experiment_id
+    if experiment is None:
+        location = (root / "mlartifacts").as_uri() if _project_store(uri, root) else None
+        try:
+            return _retry_contended(
+                lambda: client.create_experiment(name, artifact_location=location, tags={KIND_TAG: KIND})
+            )
+        except MlflowException as err:
+            if err.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+        experiment = client.get_experiment_by_name(name)
+    if KIND_TAG not in experiment.tags:
+        _retry_contended(lambda: client.set_experiment_tag(experiment.experiment_id, KIND_TAG, KIND))
+    return experiment.experiment_id
 
 
 def _run_link(client: Any, run_id: str) -> str:
@@ -417,6 +426,7 @@ class _SqlReader(RegistryReader):
         import sqlalchemy as sa
 
         url = sa.engine.make_url(uri)
+        self.shown = url.render_as_string(hide_password=True)  # the store in error messages, password as ***
         if url.get_backend_name() == "sqlite":
             path = Path(url.database or "").resolve()
             if not path.is_file():
@@ -448,7 +458,7 @@ class _SqlReader(RegistryReader):
                 return list(connection.execute(query))
         except self.sa.exc.SQLAlchemyError as err:
             reason = str(err.orig if getattr(err, "orig", None) else err).splitlines()[0]
-            raise ExpmanError(f"tracking store: cannot read MLflow's tables ({reason})") from None
+            raise ExpmanError(f"tracking store {self.shown}: cannot read MLflow's tables ({reason})") from None
 
     def model_names(self, prefix: str) -> list[str]:
         m = self.models.c
@@ -548,13 +558,19 @@ class _RestReader(RegistryReader):
     ``MLFLOW_TRACKING_TOKEN`` or ``MLFLOW_TRACKING_USERNAME``/``PASSWORD``, as for mlflow itself."""
 
     def __init__(self, uri: str):
+        from urllib.parse import quote, urlsplit
+
         self.base = uri.rstrip("/")
+        self.shown = self.base  # the server in error messages: the user it is sent, never the password
         self.headers = {"Content-Type": "application/json"}
         if os.environ.get("MLFLOW_TRACKING_TOKEN"):
             self.headers["Authorization"] = f"Bearer {os.environ['MLFLOW_TRACKING_TOKEN']}"
         elif os.environ.get("MLFLOW_TRACKING_USERNAME"):
-            pair = f"{os.environ['MLFLOW_TRACKING_USERNAME']}:{os.environ.get('MLFLOW_TRACKING_PASSWORD', '')}"
+            user = os.environ["MLFLOW_TRACKING_USERNAME"]
+            pair = f"{user}:{os.environ.get('MLFLOW_TRACKING_PASSWORD', '')}"
             self.headers["Authorization"] = f"Basic {base64.b64encode(pair.encode()).decode()}"
+            parts = urlsplit(self.base)
+            self.shown = parts._replace(netloc=f"{quote(user, safe='')}:***@{parts.netloc}").geturl()
 
     def _fetch(
         self, route: str, query: Mapping[str, Any], body: Any = None, missing: tuple[str, ...] = ()
@@ -577,9 +593,9 @@ class _RestReader(RegistryReader):
             if err.code == 404 or payload.get("error_code") in ("RESOURCE_DOES_NOT_EXIST", *missing):
                 return None
             message = str(payload.get("message", err.reason)).splitlines()[0]
-            raise ExpmanError(f"tracking server: {route}: HTTP {err.code}: {message}") from None
+            raise ExpmanError(f"tracking server {self.shown}: {route}: HTTP {err.code}: {message}") from None
         except URLError as err:
-            raise ExpmanError(f"tracking server: unreachable ({err.reason})") from None
+            raise ExpmanError(f"tracking server {self.shown}: unreachable ({err.reason})") from None
 
     def _api(self, endpoint: str, body: Any = None, missing: tuple[str, ...] = (), **query: Any) -> dict | None:
         raw = self._fetch(f"api/2.0/mlflow/{endpoint}", query, body, missing)

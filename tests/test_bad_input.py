@@ -95,7 +95,7 @@ def _write_params(root: Path, key: str, value: object, name: str = "params.yaml"
 PARAMS = [
     ("train", "train.epochs", True, "train.epochs: true is a boolean; this key is not a flag"),
     ("evaluate", "evaluate.max_new_tokens", [64], "evaluate.max_new_tokens: Input should be a valid integer"),
-    ("train", "train", 5, "train: Input should be a valid dictionary"),
+    ("train", "train", 5, 'section "train" must be a mapping of keys (got 5)'),
     ("train", "train.val_fraction", 0.7, "train.val_fraction: Input should be less than 0.5 (got 0.7)"),
     ("evaluate", "evaluate.ks", [1, 17], "evaluate.ks[1]: Input should be less than or equal to 16 (got 17)"),
     ("benchmark", "benchmark.tau_ratio", 1.5, "benchmark.tau_ratio: Input should be less than or equal to 1"),
@@ -103,7 +103,7 @@ PARAMS = [
     ("evaluate", "evaluate.ks", [3, 3], "evaluate.ks: each k at most once"),
     ("baseline", "baseline.train.lrr", 1e-3, "baseline.train.lrr: unknown key"),
     ("generate", "generate.datasets.1.splt", "heldout", "generate.datasets[1].splt: unknown key"),
-    ("extract", "extract", DELETE, "extract: required key is missing"),
+    ("extract", "extract", DELETE, 'section "extract" is missing'),
     ("generate", "generate.datasets.0.path", DELETE, "generate.datasets[0].path: required key is missing"),
     ("register", "register.model_name", "bad name!", "register.model_name: String should match pattern"),
     ("baseline", "baseline.source", "no-such-drafter", "baseline.source: neither 'train' nor a drafter checkpoint"),

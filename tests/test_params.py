@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from expman.cli import main
 from expman.errors import ExpmanError
-from expman.params import load_params
+from expman.params import STAGE_SECTIONS, load_params
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -37,7 +37,9 @@ DELETE = object()
 BAD = [
     ("trian", {"lr": 1}, "trian: unknown key"),
     ("generate.max_new_token", 5, "generate.max_new_token: unknown key"),
-    ("vocab", DELETE, "vocab: required key is missing"),
+    ("vocab", DELETE, 'section "vocab" is missing'),
+    ("register", DELETE, 'section "register" is missing'),  # the schema has defaults for it; DVC tracks it
+    ("train", None, 'section "train" must be a mapping of keys (got None)'),
     ("generate.batch_size", "eight", "generate.batch_size:"),
     ("generate.batch_size", 0, "generate.batch_size: Input should be greater than or equal to 1"),
     ("generate.temperature", -1.0, "generate.temperature:"),
@@ -145,6 +147,20 @@ def test_preset_is_merged_over_params_key_by_key(project: Path) -> None:
     assert params.train.epochs == 2  # untouched keys of a section keep params.yaml's value
     assert params.baseline.train.epochs == 3
     assert params.baseline.train.max_tokens == 160  # nested sections merge too
+
+
+def test_a_stage_section_only_the_preset_fills_is_an_error(project: Path) -> None:
+    """dvc.yaml tracks each stage's section of params.yaml: a preset's empty section (no change) cannot stand in for
+    one deleted from params.yaml."""
+    assert set(STAGE_SECTIONS) == set(yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"])
+    _with_preset(project, "quick", {name: {} for name in STAGE_SECTIONS})
+    assert load_params("params.yaml").train.epochs == 2
+    data = yaml.safe_load((project / "params.yaml").read_text())
+    del data["train"]
+    (project / "params.yaml").write_text(yaml.safe_dump(data))
+    result = CliRunner().invoke(main, ["params", "check"])
+    assert result.exit_code == 2
+    assert result.stderr.splitlines() == ['error: params.yaml: section "train" is missing']
 
 
 @pytest.mark.parametrize(

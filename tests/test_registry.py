@@ -220,6 +220,7 @@ def test_import_speculators_folder_with_alias(store: Path) -> None:
     assert reader.alias("eagle3-tiny", "baseline") == 1
     version = reader.version("eagle3-tiny", 1)
     assert version.tags["expman.import.format"] == "speculators"
+    assert version.tags["expman.import.norm_before_residual_defaulted"] == "false"
     downloaded = download_version("eagle3-tiny", 1, store / "download")
     assert version.tags["expman.drafter.sha256"] == sha256_file(downloaded / "model.safetensors")
     original, imported = load_file(str(source / "model.safetensors")), load_file(str(downloaded / "model.safetensors"))
@@ -228,10 +229,25 @@ def test_import_speculators_folder_with_alias(store: Path) -> None:
         assert torch.equal(imported[name], tensor), name
 
 
+@pytest.mark.parametrize("existing", [False, True])
+def test_stage_runs_experiment_opens_on_the_runs_table(store: Path, existing: bool) -> None:
+    """MLflow's UI shows an experiment tagged ``mlflow.experimentKind: custom_model_development`` as model training
+    (the runs table), not as a GenAI app; an ``expman`` experiment made before the tag existed gets it too."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{store / 'mlflow.db'}")
+    if existing:
+        client.create_experiment("expman")
+    assert _cli("import", str(tiny_checkpoint(store / "spec")), "--name", "eagle3-tiny").exit_code == 0
+    tags = client.get_experiment_by_name("expman").tags
+    assert tags["mlflow.experimentKind"] == "custom_model_development"
+
+
 def test_import_eagle_folder_without_a_verifier(store: Path, model) -> None:
-    export_eagle(model, store / "aq", "sglang")  # AQ-MedAI style: no embedding, no recorded convention
+    export_eagle(model, store / "aq", "sglang")  # AQ-MedAI style: no embedding, no recorded convention...
     config = json.loads((store / "aq/config.json").read_text())
     del config["expman_layer_convention"]
+    del config["norm_before_residual"]  # ... and no norm_before_residual: imported as the engines read it, False
     (store / "aq/config.json").write_text(json.dumps(config))
     _one_line_error(_cli("import", str(store / "aq"), "--name", "eagle3-tiny"), "has no recorded convention")
 
@@ -240,12 +256,16 @@ def test_import_eagle_folder_without_a_verifier(store: Path, model) -> None:
     downloaded = download_version("eagle3-tiny", 1, store / "download")
     raw, drafter_config, tensors = read_checkpoint(downloaded)
     assert raw["speculators_model_type"] == "eagle3" and raw["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    assert raw["norm_before_residual"] is False  # written out: the speculators format would read a missing one as True
     assert "embed_tokens.weight" not in tensors
     assert drafter_config == model.config
     reloaded = load_drafter(downloaded, embedding=model.embed_tokens.weight)
     for a, b in zip(_logits(reloaded), _logits(model), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-    assert open_registry().version("eagle3-tiny", 1).tags["expman.import.format"] == "eagle"
+    tags = open_registry().version("eagle3-tiny", 1).tags
+    assert tags["expman.import.format"] == "eagle"
+    assert tags["expman.import.norm_before_residual"] == "false"
+    assert tags["expman.import.norm_before_residual_defaulted"] == "true"
 
 
 def test_export_both_formats(store: Path, model) -> None:

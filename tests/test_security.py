@@ -171,6 +171,22 @@ def test_credentials_in_an_http_tracking_uri_show_nowhere(
     assert not _leaks(secret, url, database, [project, folder], [*outputs, printed.out, printed.err])
 
 
+def test_an_unreachable_server_is_named_with_its_password_masked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    secret = f"pw-{secrets.token_hex(8)}"
+    port = free_port()  # nothing listens there
+    monkeypatch.chdir(tmp_path)
+    for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://alice:{secret}@127.0.0.1:{port}")
+    result = CliRunner().invoke(main, ["runs"])
+    assert result.exit_code == 2 and secret not in result.output
+    [line] = result.stderr.splitlines()
+    assert line.startswith(f"error: tracking server http://alice:***@127.0.0.1:{port}: unreachable ("), line
+    assert "Connection refused" in line
+
+
 def test_credentials_in_a_postgresql_uri_show_nowhere(
     project: Path, capfd: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:

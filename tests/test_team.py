@@ -148,6 +148,7 @@ def test_no_version_is_lost(team: Team) -> None:
         tags = client.get_model_version(MODEL, str(number)).tags
         assert {EVALUATE_RUN_TAG, DRAFTER_SHA_TAG, "git.sha"} <= tags.keys()
     experiment = client.get_experiment_by_name("expman")
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"  # whichever member created it
     runs = client.search_runs([experiment.experiment_id], max_results=1000)
     assert len(runs) == VERSIONS and {r.info.status for r in runs} == {"FINISHED"}
 

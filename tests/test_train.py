@@ -363,3 +363,36 @@ def test_norm_before_residual_is_a_recipe_choice_the_export_records(project: Pat
     run_train()
     assert json.loads((project / paths.DRAFTER / "config.json").read_text())["norm_before_residual"] is True
     assert load_drafter(project / paths.DRAFTER).config.norm_before_residual
+
+
+def test_an_eagle_baseline_without_norm_before_residual_imports_as_the_engines_read_it(project: Path) -> None:
+    """An AQ-MedAI-style EAGLE baseline (no norm_before_residual, no recorded convention): imported as False, the
+    value vLLM and SGLang read for that format, written out and recorded on the registered version."""
+    from expman.baseline import baseline
+    from expman.checkpoint import export_eagle
+    from expman.tracking import open_registry
+
+    run_until("vocab")
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["train"].update(norm_before_residual=True, epochs=1)  # stated True; the import must not keep it
+    (project / "params.yaml").write_text(yaml.safe_dump(params))
+    run_train()
+    export_eagle(load_drafter(project / paths.DRAFTER), project / "aq", "vllm")
+    config = json.loads((project / "aq/config.json").read_text())
+    del config["norm_before_residual"], config["expman_layer_convention"]
+    (project / "aq/config.json").write_text(json.dumps(config))
+    params["baseline"].update(source="aq", layer_convention="vllm")
+    (project / "params.yaml").write_text(yaml.safe_dump(params))
+    made = baseline(
+        load_params("params.yaml"),
+        paths.VERIFIER,
+        paths.EXTRACT,
+        paths.VOCAB,
+        paths.BASELINE,
+        paths.BASELINE_STATE,
+        paths.BASELINE_METRICS,
+    )
+    assert json.loads((project / paths.BASELINE / "config.json").read_text())["norm_before_residual"] is False
+    tags = open_registry().version(made["registered"]["name"], made["registered"]["version"]).tags
+    assert tags["expman.import.norm_before_residual"] == "false"
+    assert tags["expman.import.norm_before_residual_defaulted"] == "true"
