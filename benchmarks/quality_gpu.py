@@ -37,10 +37,12 @@ def main() -> None:
 @main.command()
 @click.option("--deadline-s", type=float, default=540.0, help="Interrupt the graph cleanly after this long.")
 @click.option("--preset", default="gpu")
-def run(deadline_s: float, preset: str) -> None:
+@click.option("--target", default=None, help="Run the graph up to this stage only (evaluate does not resume).")
+def run(deadline_s: float, preset: str, target: str | None) -> None:
     """``dvc exp run -S preset=<preset>`` until it finishes or the deadline; an interrupted stage resumes next time."""
     started = time.time()
-    process = subprocess.Popen(["dvc", "exp", "run", "-S", f"preset={preset}"], start_new_session=True)
+    command = ["dvc", "exp", "run", "-S", f"preset={preset}", *([target] if target else [])]
+    process = subprocess.Popen(command, start_new_session=True)
     try:
         code = process.wait(timeout=max(deadline_s, 1.0))
     except subprocess.TimeoutExpired:
@@ -52,7 +54,7 @@ def run(deadline_s: float, preset: str) -> None:
             code = process.wait()
         code = code or 130
     calls = json.loads(CALLS.read_text()) if CALLS.is_file() else []
-    calls.append({"started": started, "seconds": time.time() - started, "exit_code": code})
+    calls.append({"command": command, "started": started, "seconds": time.time() - started, "exit_code": code})
     CALLS.write_text(json.dumps(calls, indent=1))
     click.echo("graph finished" if code == 0 else f"graph interrupted or failed (exit {code}); run again to resume")
     sys.exit(0 if code in (0, 130) else code)
