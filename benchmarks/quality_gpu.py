@@ -4,7 +4,7 @@ report: stage times, data sizes, reference τ per k and per category, and the en
 A machine that runs a command for at most a few minutes at a time runs the graph in several calls; each call
 resumes where the last one stopped (generate and extract by shard, train from its last checkpoint):
 
-  python benchmarks/quality_gpu.py run --deadline-s 540     # again until it prints "graph finished"
+  python benchmarks/quality_gpu.py run --deadline-s 540     # exits 75 at the deadline: run it again
   python benchmarks/quality_gpu.py report --device-seconds 1500 --out benchmarks/results/quality_gpu_h200.json
 
 Then, where vLLM is installed, the benchmark stage serves the GPU-trained drafters (``dvc repro benchmark`` with
@@ -26,6 +26,7 @@ import click
 from reporting import cpu_flags, cpu_name, write_report
 
 STAGES = ("prepare", "generate", "extract", "vocab", "baseline", "train", "evaluate", "benchmark", "register")
+INTERRUPTED = 75  # EX_TEMPFAIL: stopped at the deadline, run again
 CALLS = Path(".quality_gpu_calls.json")  # one row per `run` call, beside the project's other local state
 
 
@@ -43,21 +44,26 @@ def run(deadline_s: float, preset: str, target: str | None) -> None:
     started = time.time()
     command = ["dvc", "exp", "run", "-S", f"preset={preset}", *([target] if target else [])]
     process = subprocess.Popen(command, start_new_session=True)
+    interrupted = False
     try:
         code = process.wait(timeout=max(deadline_s, 1.0))
     except subprocess.TimeoutExpired:
+        interrupted = True
         os.killpg(process.pid, signal.SIGINT)  # the stage's KeyboardInterrupt; shards and checkpoints stay
         try:
             code = process.wait(timeout=60)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             code = process.wait()
-        code = code or 130
     calls = json.loads(CALLS.read_text()) if CALLS.is_file() else []
-    calls.append({"command": command, "started": started, "seconds": time.time() - started, "exit_code": code})
+    seconds = time.time() - started
+    calls.append({"command": command, "started": started, "seconds": seconds, "interrupted": interrupted})
     CALLS.write_text(json.dumps(calls, indent=1))
-    click.echo("graph finished" if code == 0 else f"graph interrupted or failed (exit {code}); run again to resume")
-    sys.exit(0 if code in (0, 130) else code)
+    if interrupted:
+        click.echo(f"graph interrupted at the deadline ({seconds:.0f} s): run again to resume")
+        sys.exit(INTERRUPTED)
+    click.echo("graph finished" if code == 0 else f"graph failed (exit {code})")
+    sys.exit(code)
 
 
 def _stage_runs() -> dict[str, dict[str, Any]]:
@@ -90,7 +96,7 @@ def _data_sizes() -> dict[str, Any]:
         "self_prompts": None
         if written is None
         else {key: written[key] for key in ("candidates", "kept", "dropped", "settings")},
-        "extract": {key: extracted[key] for key in ("tokens", "bytes") if key in extracted},
+        "extract": {**extracted["totals"], "bytes": extracted["storage"]["bytes"]},
     }
 
 
