@@ -39,10 +39,12 @@ def main() -> None:
 @click.option("--deadline-s", type=float, default=540.0, help="Interrupt the graph cleanly after this long.")
 @click.option("--preset", default="gpu")
 @click.option("--target", default=None, help="Run the graph up to this stage only (evaluate does not resume).")
-def run(deadline_s: float, preset: str, target: str | None) -> None:
+@click.option("--set", "overrides", multiple=True, help="Passed to dvc exp run -S, e.g. presets/gpu.yaml:train.lr=3e-4.")
+def run(deadline_s: float, preset: str, target: str | None, overrides: tuple[str, ...]) -> None:
     """``dvc exp run -S preset=<preset>`` until it finishes or the deadline; an interrupted stage resumes next time."""
     started = time.time()
-    command = ["dvc", "exp", "run", "-S", f"preset={preset}", *([target] if target else [])]
+    settings = [arg for override in (f"preset={preset}", *overrides) for arg in ("-S", override)]
+    command = ["dvc", "exp", "run", *settings, *([target] if target else [])]
     process = subprocess.Popen(command, start_new_session=True)
     interrupted = False
     try:
