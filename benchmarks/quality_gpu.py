@@ -39,7 +39,7 @@ def main() -> None:
 @click.option("--deadline-s", type=float, default=540.0, help="Interrupt the graph cleanly after this long.")
 @click.option("--preset", default="gpu")
 @click.option("--target", default=None, help="Run the graph up to this stage only (evaluate does not resume).")
-@click.option("--set", "overrides", multiple=True, help="Passed to dvc exp run -S, e.g. presets/gpu.yaml:train.lr=3e-4.")
+@click.option("--set", "overrides", multiple=True, help="To dvc exp run -S: presets/gpu.yaml:train.lr=3e-4")
 def run(deadline_s: float, preset: str, target: str | None, overrides: tuple[str, ...]) -> None:
     """``dvc exp run -S preset=<preset>`` until it finishes or the deadline; an interrupted stage resumes next time."""
     started = time.time()
