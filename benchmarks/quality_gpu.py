@@ -68,20 +68,26 @@ def run(deadline_s: float, preset: str, target: str | None, overrides: tuple[str
     sys.exit(code)
 
 
-def _stage_runs() -> dict[str, dict[str, Any]]:
-    """Per stage, its MLflow runs in this project's store: how many, their statuses and their summed seconds."""
+def _stage_runs() -> dict[str, list[dict[str, Any]]]:
+    """Per stage, its MLflow runs in this project's store, oldest first: status, seconds, the DVC experiment that
+    ran it (none for a stage script run by hand) and the commit."""
     import mlflow
 
     mlflow.set_tracking_uri(f"sqlite:///{Path('mlflow.db').resolve()}")
-    stages: dict[str, dict[str, Any]] = {}
-    for run in mlflow.search_runs(search_all_experiments=True, output_format="list"):
+    stages: dict[str, list[dict[str, Any]]] = {}
+    runs = mlflow.search_runs(search_all_experiments=True, output_format="list")
+    for run in sorted(runs, key=lambda r: r.info.start_time):
         stage = run.data.tags.get("expman.stage")
         if stage is None or run.info.end_time is None:
             continue
-        row = stages.setdefault(stage, {"runs": 0, "statuses": [], "seconds": 0.0})
-        row["runs"] += 1
-        row["statuses"].append(run.info.status)
-        row["seconds"] += (run.info.end_time - run.info.start_time) / 1000
+        stages.setdefault(stage, []).append(
+            {
+                "status": run.info.status,
+                "seconds": (run.info.end_time - run.info.start_time) / 1000,
+                "dvc_experiment": run.data.tags.get("dvc.exp_name"),
+                "git_sha": run.data.tags.get("git.sha"),
+            }
+        )
     return {stage: stages[stage] for stage in STAGES if stage in stages}
 
 
