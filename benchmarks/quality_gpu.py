@@ -125,34 +125,48 @@ def _tau(evaluation: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _train_metrics() -> dict[str, Any]:
+    """Train's simulated τ on its validation samples (from the train split), per drafter that was trained here."""
+    rows = {}
+    for name in ("baseline", "train"):
+        path = Path(f"metrics/{name}.json")
+        if path.is_file():
+            metrics = json.loads(path.read_text())
+            rows[name] = {key: metrics[key] for key in metrics if key.startswith("sim_tau") or key.endswith("samples")}
+    return rows
+
+
 @main.command()
 @click.option("--device-seconds", type=float, default=None, help="Device time the whole graph used, starts included.")
 @click.option("--device", "device_name", default=None, help="The GPU it ran on (default: this machine's).")
+@click.option("--device-cpu", default=None, help="The GPU host's CPU, when the report is made elsewhere.")
 @click.option("--engine", type=click.Path(exists=True, path_type=Path), default=None, help="A benchmark.json.")
 @click.option("--out", type=click.Path(path_type=Path), default=None)
-def report(device_seconds: float | None, device_name: str | None, engine: Path | None, out: Path | None) -> None:
-    """Collect the finished graph's stage times, data sizes and τ into one JSON (merged into ``--out``'s)."""
-    result: dict[str, Any] = json.loads(out.read_text()) if out is not None and out.is_file() else {}
-    if Path("data/evaluate/evaluation.json").is_file():
-        import torch
+def report(
+    device_seconds: float | None, device_name: str | None, device_cpu: str | None, engine: Path | None, out: Path | None
+) -> None:
+    """Collect the graph's stage times, data sizes and τ into one JSON (merged into ``--out``'s)."""
+    import torch
 
-        evaluation = json.loads(Path("data/evaluate/evaluation.json").read_text())
+    result: dict[str, Any] = json.loads(out.read_text()) if out is not None and out.is_file() else {}
+    result.update(
+        benchmark="quality_gpu",
+        command="dvc exp run -S preset=gpu (python benchmarks/quality_gpu.py run, once per device call)",
+        device=device_name or (torch.cuda.get_device_name() if torch.cuda.is_available() else cpu_name()),
+        device_cpu=device_cpu or f"{cpu_name()} ({', '.join(cpu_flags())}), {os.cpu_count()} threads",
+        device_seconds=device_seconds,
+        stages=_stage_runs(),
+        data=_data_sizes(),
+        train_validation=_train_metrics(),
+        calls=json.loads(CALLS.read_text()) if CALLS.is_file() else [],
+    )
+    evaluation_file = Path("data/evaluate/evaluation.json")
+    if evaluation_file.is_file():
+        evaluation = json.loads(evaluation_file.read_text())
         tau = _tau(evaluation)
-        result.update(
-            benchmark="quality_gpu",
-            command="dvc exp run -S preset=gpu (python benchmarks/quality_gpu.py run, once per device call)",
-            candidate_tau_k3=tau["tau"]["candidate"].get("k3"),
-            baseline_tau_k3=tau["tau"]["baseline"].get("k3"),
-            device=device_name or (torch.cuda.get_device_name() if torch.cuda.is_available() else cpu_name()),
-            cpu=cpu_name(),
-            cpu_flags=cpu_flags(),
-            cpu_threads=os.cpu_count(),
-            evaluate={"device": evaluation["device"], "dtype": evaluation["dtype"], **tau},
-            stages=_stage_runs(),
-            data=_data_sizes(),
-            calls=json.loads(CALLS.read_text()) if CALLS.is_file() else [],
-        )
-        result["device_seconds"] = device_seconds
+        result["candidate_tau_k3"] = tau["tau"]["candidate"].get("k3")
+        result["baseline_tau_k3"] = tau["tau"]["baseline"].get("k3")
+        result["evaluate"] = {"device": evaluation["device"], "dtype": evaluation["dtype"], **tau}
     if engine is not None:
         bench = json.loads(engine.read_text())
         arms = bench["arms"]
