@@ -141,9 +141,15 @@ def _train_metrics() -> dict[str, Any]:
 @click.option("--device", "device_name", default=None, help="The GPU it ran on (default: this machine's).")
 @click.option("--device-cpu", default=None, help="The GPU host's CPU, when the report is made elsewhere.")
 @click.option("--engine", type=click.Path(exists=True, path_type=Path), default=None, help="A benchmark.json.")
+@click.option("--note", default=None, help="What the numbers do not say by themselves (overrides, interruptions).")
 @click.option("--out", type=click.Path(path_type=Path), default=None)
 def report(
-    device_seconds: float | None, device_name: str | None, device_cpu: str | None, engine: Path | None, out: Path | None
+    device_seconds: float | None,
+    device_name: str | None,
+    device_cpu: str | None,
+    engine: Path | None,
+    note: str | None,
+    out: Path | None,
 ) -> None:
     """Collect the graph's stage times, data sizes and τ into one JSON (merged into ``--out``'s)."""
     import torch
@@ -155,11 +161,14 @@ def report(
         device=device_name or (torch.cuda.get_device_name() if torch.cuda.is_available() else cpu_name()),
         device_cpu=device_cpu or f"{cpu_name()} ({', '.join(cpu_flags())}), {os.cpu_count()} threads",
         device_seconds=device_seconds,
+        **({"note": note} if note else {}),
         stages=_stage_runs(),
         data=_data_sizes(),
         train_validation=_train_metrics(),
         calls=json.loads(CALLS.read_text()) if CALLS.is_file() else [],
     )
+    for key in ("candidate_tau_k3", "baseline_tau_k3", "vllm_cpu_tau_k3"):
+        result.setdefault(key, None)  # None: not measured (yet)
     evaluation_file = Path("data/evaluate/evaluation.json")
     if evaluation_file.is_file():
         evaluation = json.loads(evaluation_file.read_text())
