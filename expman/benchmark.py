@@ -99,6 +99,8 @@ def benchmark(
         if section.engine == "none":
             result["skipped"] = "benchmark.engine is none: no engine numbers, no integration-fault verdict"
         else:
+            from tqdm import tqdm
+
             from expman.vllm_engine import run_vllm_arm, vllm_version
 
             device = resolve_device(section.device)
@@ -113,13 +115,16 @@ def benchmark(
                 seed=section.seed,
                 trust_remote_code=verifier_manifest["trust_remote_code"],
             )
+            bar = tqdm(total=1 + len(arms) * len(ks), desc="benchmark", unit="engine run")
             nospec = run_vllm_arm(drafter_dir=None, k=0, **common)
+            bar.update()
             nospec_tok_per_s = sum(len(o) for o in nospec.outputs) / nospec.seconds
             result["nospec"] = {"tok_per_s": nospec_tok_per_s, "seconds": nospec.seconds, "settings": nospec.settings}
             for name, path in arms.items():
                 result["arms"][name] = {"path": str(path), "static_fault": static[name], "k": {}}
                 for k in ks:
                     engine = _engine_numbers(run_vllm_arm(drafter_dir=path, k=k, **common), k, nospec, nospec_tok_per_s)
+                    bar.update()
                     reference = evaluation["summary"][name][f"k{k}"]
                     verdict = integration_fault(reference, engine, section.tau_ratio, section.position0_ratio)
                     reasons = ([static[name]] if static[name] else []) + list(verdict.reasons)
@@ -139,6 +144,7 @@ def benchmark(
                     )
                 arm = result["arms"][name]
                 arm["integration_fault"] = any(v["integration_fault"] for v in arm["k"].values())
+            bar.close()
         atomic_write_json(out_dir / "benchmark.json", result)
         run.log_artifact(out_dir / "benchmark.json")
         summary = {
