@@ -516,9 +516,7 @@ def evaluate(
                 flat[f"{arm}/{key}/greedy_tie_flips"] = values["greedy_tie_flips"]
         run.log_metrics(flat)
         atomic_write_json(metrics_path, {k: v for k, v in summary.items() if k != "by_category"})
-        tables = evaluation_tables(evaluation)
-        write_tables(plots_dir, tables)
-        title = f"evaluate: {len(rows)} held-out prompts, {evaluation['target']}"
-        run.log_figure(evaluation_figure(tables, title), EVALUATE_FIGURE)
+        write_tables(plots_dir, evaluation_tables(evaluation))
+        run.log_figure(evaluation_figure(evaluation), EVALUATE_FIGURE)
         facts = {"prompts": len(rows), "ks": section.ks, "arms": evaluation["arms"], "summary_file": "evaluation.json"}
         return run.write_manifest(out_dir / "manifest.json", facts)

@@ -99,14 +99,15 @@ def evaluation_tables(evaluation: Mapping[str, Any]) -> dict[str, list[dict[str,
     }
 
 
-def _figure(columns: int, rows: int = 1, title: str = "") -> tuple[Any, list[Any]]:
+def _figure(layout: list[list[str]], size: tuple[float, float], title: str = "") -> tuple[Any, dict[str, Any]]:
+    """A figure of named panels (matplotlib's mosaic ``layout``), gridded."""
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(5.2 * columns, 4.2 * rows), layout="constrained")
-    axes = list(figure.subplots(rows, columns, squeeze=False).flat)
+    figure = Figure(figsize=size, layout="constrained")
+    axes = figure.subplot_mosaic(layout)
     if title:
         figure.suptitle(title)
-    for ax in axes:
+    for ax in axes.values():
         ax.grid(alpha=0.3)
     return figure, axes
 
@@ -119,14 +120,15 @@ def _finite(rows: Sequence[Mapping[str, Any]], x: str, y: str) -> tuple[list[flo
 def train_figure(steps: Sequence[Mapping[str, Any]], heldout: Sequence[Mapping[str, Any]], title: str = "") -> Any:
     """Loss, accuracy per TTT step and simulated τ per k over optimizer steps: lines for the training windows,
     dashed markers for the held-out samples after each epoch."""
-    figure, axes = _figure(3, title=title)
+    figure, axes = _figure([["loss", "accuracy per TTT step"], ["simulated τ per k"] * 2], (11, 8.4), title)
     columns = list(steps[0]) if steps else list(heldout[0]) if heldout else []
     panels = [
         ("loss", ["loss"], "objective (soft cross-entropy)"),
         ("accuracy per TTT step", [c for c in columns if c.startswith("acc_")], "accuracy"),
         ("simulated τ per k", [c for c in columns if c.startswith("sim_tau_k")], "τ"),
     ]
-    for ax, (name, fields, label) in zip(axes, panels, strict=True):
+    for name, fields, label in panels:
+        ax = axes[name]
         for index, field in enumerate(fields):
             color = STEP_COLORS[index % len(STEP_COLORS)]
             ax.plot(*_finite(steps, "step", field), color=color, label=f"{field} train")
@@ -136,37 +138,41 @@ def train_figure(steps: Sequence[Mapping[str, Any]], heldout: Sequence[Mapping[s
     return figure
 
 
-def evaluation_figure(tables: Mapping[str, Sequence[Mapping[str, Any]]], title: str = "") -> Any:
-    """τ and speedup per k, acceptance per draft position and τ per category, one color per arm."""
-    figure, axes = _figure(2, 2, title)
+def evaluation_figure(evaluation: Mapping[str, Any]) -> Any:
+    """``evaluation_tables`` drawn: τ and speedup per k, acceptance per draft position and τ per category, one color
+    per arm."""
+    tables = evaluation_tables(evaluation)
+    title = f"evaluate: {len(evaluation['prompts'])} held-out prompts, {evaluation['target']}"
+    figure, axes = _figure([["tau", "speedup"], ["per_position", "by_category"]], (11, 8.4), title)
     largest = int(max(row["k"] for row in tables["tau"]))
     ks = [int(row["k"]) for row in tables["tau"]]
-    for ax, name, label in ((axes[0], "tau", "τ (tokens per verifier forward)"), (axes[1], "speedup", "speedup")):
+    for name, label in (("tau", "τ (tokens per verifier forward)"), ("speedup", "speedup")):
         for arm in ARMS:
-            ax.plot(*_finite(tables[name], "k", arm), "o-", color=COLORS[arm], label=arm)
-        ax.axhline(1.0, color="black", linewidth=0.8, linestyle=":", label="no speculation")
-        ax.set(title=f"{label} per k", xlabel="k (draft chain length)", ylabel=label, xticks=ks)
-        ax.legend(fontsize="small")
+            axes[name].plot(*_finite(tables[name], "k", arm), "o-", color=COLORS[arm], label=arm)
+        axes[name].axhline(1.0, color="black", linewidth=0.8, linestyle=":", label="no speculation")
+        axes[name].set(title=f"{label} per k", xlabel="k (draft chain length)", ylabel=label, xticks=ks)
     width = 0.8 / len(ARMS)
     positions = [int(row["position"]) for row in tables["per_position"]]
     for index, arm in enumerate(ARMS):
         rates = [row[arm] for row in tables["per_position"]]
         if not all(math.isnan(r) for r in rates):
-            axes[2].bar([p + (index - 0.5) * width for p in positions], rates, width, color=COLORS[arm], label=arm)
-    axes[2].set(
+            offsets = [p + (index - 0.5) * width for p in positions]
+            axes["per_position"].bar(offsets, rates, width, color=COLORS[arm], label=arm)
+    axes["per_position"].set(
         title=f"acceptance per draft position (k = {largest})", xlabel="position", ylabel="rate", xticks=positions
     )
-    axes[2].legend(fontsize="small")
     categories = sorted({row["category"] for row in tables["by_category"]})
     for index, arm in enumerate(ARMS):
         taus = {row["category"]: row["tau"] for row in tables["by_category"] if row["arm"] == arm}
         if taus:
             rows = [i + (index - 0.5) * width for i, c in enumerate(categories) if c in taus]
-            axes[3].barh(rows, [taus[c] for c in categories if c in taus], width, color=COLORS[arm], label=arm)
-    axes[3].set(title=f"τ per category (k = {largest})", xlabel="τ", yticks=range(len(categories)))
-    axes[3].set_yticklabels(categories)
-    axes[3].invert_yaxis()
-    axes[3].legend(fontsize="small")
+            values = [taus[c] for c in categories if c in taus]
+            axes["by_category"].barh(rows, values, width, color=COLORS[arm], label=arm)
+    axes["by_category"].set(title=f"τ per category (k = {largest})", xlabel="τ", yticks=range(len(categories)))
+    axes["by_category"].set_yticklabels(categories)
+    axes["by_category"].invert_yaxis()
+    for ax in axes.values():
+        ax.legend(fontsize="small")
     return figure
 
 
@@ -186,13 +192,15 @@ def benchmark_figure(benchmark: Mapping[str, Any]) -> Any | None:
         f"{arm} {'FAULT' if result['integration_fault'] else 'ok'}" for arm, result in benchmark["arms"].items()
     )
     name = benchmark.get("engine_version") or benchmark["engine"]
-    figure, axes = _figure(2, title=f"{name} against the reference evaluator; integration fault: {verdicts}")
+    title = f"{name} against the reference evaluator; integration fault: {verdicts}"
+    figure, axes = _figure([["tau", "speedup"]], (11, 4.6), title)
     places = range(len(labels))
-    for ax, metric, label in ((axes[0], "tau", "τ"), (axes[1], "speedup", "speedup")):
+    for metric, label in (("tau", "τ"), ("speedup", "speedup")):
+        ax = axes[metric]
         ax.bar([p - 0.2 for p in places], reference[metric], 0.4, color="#8c8c8c", label="reference (torch, batch 1)")
         ax.bar([p + 0.2 for p in places], engine[metric], 0.4, color="#ff7f0e", label=f"{name} (one batch)")
         ax.set(title=f"{label}: engine and reference", ylabel=label, xticks=list(places))
         ax.set_xticklabels(labels)
         ax.legend(fontsize="small")
-    axes[1].axhline(1.0, color="black", linewidth=0.8, linestyle=":")
+    axes["speedup"].axhline(1.0, color="black", linewidth=0.8, linestyle=":")
     return figure

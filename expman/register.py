@@ -84,15 +84,13 @@ def _log_figures(run: StageRun, curves_dir: Path, evaluation: dict[str, Any], be
         TRAIN_FIGURE,
         benchmark_figure,
         evaluation_figure,
-        evaluation_tables,
         read_table,
         train_figure,
     )
 
     steps, heldout = (read_table(curves_dir / f"{name}.csv") for name in ("steps", "heldout"))
     run.log_figure(train_figure(steps, heldout, "train"), TRAIN_FIGURE)
-    title = f"evaluate: {len(evaluation['prompts'])} held-out prompts, {evaluation['target']}"
-    run.log_figure(evaluation_figure(evaluation_tables(evaluation), title), EVALUATE_FIGURE)
+    run.log_figure(evaluation_figure(evaluation), EVALUATE_FIGURE)
     figure = benchmark_figure(benchmark)
     if figure is not None:
         run.log_figure(figure, BENCHMARK_FIGURE)
