@@ -5,6 +5,7 @@ forward, rejection sampling is lossless, and the summary pools per-prompt counte
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -180,7 +181,7 @@ def test_select_prompts_round_robin_over_categories() -> None:
     assert len(select_prompts(records, None)) == 6
 
 
-def test_summary_pools_counters_as_designed() -> None:
+def test_summary_pools_counters_as_designed(tmp_path: Path) -> None:
     def arm(rounds, accepted, per_position, tokens, seconds, equal=True):
         return {
             "rounds": rounds,
@@ -215,6 +216,21 @@ def test_summary_pools_counters_as_designed() -> None:
     assert pooled["greedy_mismatches"] == 1
     assert summary["by_category"]["x"]["candidate"]["k2"]["tau"] == pytest.approx(2.5)
     json.dumps(summary)  # JSON-ready
+
+    # without a baseline arm (evaluate.baseline: null) its plot columns are nan, which Vega leaves out (an empty cell
+    # would be drawn as 0), and the figure draws the candidate alone
+    from expman.plots import evaluation_figure, evaluation_tables, read_table, write_tables
+
+    evaluation = {"ks": [2], "prompts": prompts, "target": "torch-cpu-batch1", "summary": summary}
+    write_tables(tmp_path, evaluation_tables(evaluation))
+    assert (tmp_path / "tau.csv").read_text() == "k,baseline,candidate\n2,nan,1.5\n"
+    assert read_table(tmp_path / "per_position.csv")[1] == {
+        "position": 2,
+        "baseline": pytest.approx(math.nan, nan_ok=True),
+        "candidate": 0.15,
+    }
+    assert [row["label"] for row in read_table(tmp_path / "by_category.csv")] == ["x · candidate", "y · candidate"]
+    evaluation_figure(evaluation).savefig(tmp_path / "evaluate.png")
 
 
 def test_baseline_train_and_evaluate_stages_on_the_tiny_project(project: Path) -> None:
