@@ -54,6 +54,7 @@ def main(dtypes: tuple[str, ...], params_file: Path, work: Path, out: Path | Non
             paths.DRAFTER,
             work / dtype,
             work / dtype / "summary.json",
+            work / dtype / "plots",
         )
         evaluation = json.loads((work / dtype / "evaluation.json").read_text())
         results[dtype] = {

@@ -72,7 +72,15 @@ def _scratch(params: Params, folder: Path) -> dict[str, Any]:
     )
     train_s = time.perf_counter() - started
     alone = params.model_copy(update={"evaluate": params.evaluate.model_copy(update={"baseline": None})})
-    evaluate(alone, paths.VERIFIER, paths.GENERATED, folder / "drafter", folder / "evaluate", folder / "evaluate.json")
+    evaluate(
+        alone,
+        paths.VERIFIER,
+        paths.GENERATED,
+        folder / "drafter",
+        folder / "evaluate",
+        folder / "evaluate.json",
+        folder / "plots",
+    )
     benchmark(
         alone, paths.VERIFIER, paths.GENERATED, folder / "evaluate", folder / "benchmark", folder / "benchmark.json"
     )

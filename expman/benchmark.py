@@ -73,8 +73,9 @@ def benchmark(
 ) -> dict[str, Any]:
     """Run no speculation, baseline and candidate in the engine at the evaluation's ks; write ``benchmark.json``
     (engine numbers, reference numbers, verdicts) and ``manifest.json`` to ``out_dir``, a summary to
-    ``metrics_path``."""
+    ``metrics_path``; the run logs engine against reference as ``figures/benchmark.png``."""
     from expman.fault_gate import integration_fault
+    from expman.plots import BENCHMARK_FIGURE, benchmark_figure
     from expman.verifier import resolve_device
 
     section = params.benchmark
@@ -147,6 +148,9 @@ def benchmark(
             bar.close()
         atomic_write_json(out_dir / "benchmark.json", result)
         run.log_artifact(out_dir / "benchmark.json")
+        figure = benchmark_figure(result)
+        if figure is not None:
+            run.log_figure(figure, BENCHMARK_FIGURE)
         summary = {
             "engine": result["engine"],
             **({"nospec_tok_per_s": result["nospec"]["tok_per_s"]} if "nospec" in result else {}),

@@ -319,10 +319,12 @@ def _notes(report: Mapping[str, Any]) -> list[str]:
     return notes
 
 
-def _cells(report: Mapping[str, Any]) -> list[list[str]]:
+def _cells(report: Mapping[str, Any], metrics: Sequence[str] | None = None) -> list[list[str]]:
     cells = []
     for row in report["rows"]:
         for name, entry in row["metrics"].items():
+            if metrics is not None and name not in metrics:
+                continue
             cells.append(
                 [
                     row["label"],
@@ -343,10 +345,11 @@ def render_text(report: Mapping[str, Any]) -> str:
     return "\n".join([*_notes(report), "", *text_table([list(COLUMNS), *_cells(report)])])
 
 
-def render_markdown(report: Mapping[str, Any]) -> str:
-    """The same report as Markdown (for pull requests): notes as a list, then a table."""
+def render_markdown(report: Mapping[str, Any], metrics: Sequence[str] | None = None) -> str:
+    """The same report as Markdown (for pull requests and version descriptions): notes as a list, then a table of
+    every metric, or of ``metrics`` only."""
     notes = [f"- {note}" for note in _notes(report)]
-    return "\n".join([*notes, "", *markdown_table([list(COLUMNS), *_cells(report)])])
+    return "\n".join([*notes, "", *markdown_table([list(COLUMNS), *_cells(report, metrics)])])
 
 
 def render_json(report: Mapping[str, Any]) -> str:

@@ -419,12 +419,15 @@ def evaluate(
     drafter_dir: Path,
     out_dir: Path,
     metrics_path: Path,
+    plots_dir: Path,
 ) -> dict[str, Any]:
     """Run the three arms on the held-out prompts; write ``evaluation.json`` (per-prompt results + summary) and
-    ``manifest.json`` to ``out_dir`` and the summary to ``metrics_path``."""
+    ``manifest.json`` to ``out_dir``, the summary to ``metrics_path`` and its tables for ``dvc plots`` to
+    ``plots_dir``; the run logs the same pictures as ``figures/evaluate.png``."""
     from tqdm import tqdm
 
     from expman.objective import VerifierHead
+    from expman.plots import EVALUATE_FIGURE, evaluation_figure, evaluation_tables, write_tables
     from expman.verifier import load_tokenizer, load_verifier, resolve_device, resolve_dtype
 
     section: EvaluateParams = params.evaluate
@@ -513,5 +516,7 @@ def evaluate(
                 flat[f"{arm}/{key}/greedy_tie_flips"] = values["greedy_tie_flips"]
         run.log_metrics(flat)
         atomic_write_json(metrics_path, {k: v for k, v in summary.items() if k != "by_category"})
+        write_tables(plots_dir, evaluation_tables(evaluation))
+        run.log_figure(evaluation_figure(evaluation), EVALUATE_FIGURE)
         facts = {"prompts": len(rows), "ks": section.ks, "arms": evaluation["arms"], "summary_file": "evaluation.json"}
         return run.write_manifest(out_dir / "manifest.json", facts)

@@ -11,10 +11,12 @@ __all__ = [
     "DRAFTER",
     "EVALUATE",
     "EVALUATE_METRICS",
+    "EVALUATE_PLOTS",
     "EXTRACT",
     "GENERATED",
     "REGISTERED",
     "TRAIN_METRICS",
+    "TRAIN_PLOTS",
     "TRAIN_STATE",
     "VERIFIER",
     "VOCAB",
@@ -30,8 +32,10 @@ BASELINE_METRICS = Path("metrics/baseline.json")  # baseline: held-out per-step 
 DRAFTER = Path("models/drafter")  # train: speculators-format checkpoint + manifest.json
 TRAIN_STATE = Path("models/.train-state")  # train: resume state (model, optimizer, scheduler, data position, RNG)
 TRAIN_METRICS = Path("metrics/train.json")  # train: held-out per-step accuracy and simulated tau
+TRAIN_PLOTS = Path("plots/train")  # train: steps.csv (each logging window) + heldout.csv (each epoch), for dvc plots
 EVALUATE = Path("data/evaluate")  # evaluate: evaluation.json (per-prompt results + summary) + manifest.json
 EVALUATE_METRICS = Path("metrics/evaluate.json")  # evaluate: τ, acceptance, speedup per arm and k
+EVALUATE_PLOTS = Path("plots/evaluate")  # evaluate: tau, speedup, per_position, by_category CSVs, for dvc plots
 REGISTERED = Path("models/registered.json")  # register: the registered model name, version and models:/ URI
 BENCHMARK = Path("data/benchmark")  # benchmark: benchmark.json (engine vs reference numbers, verdicts) + manifest
 BENCHMARK_METRICS = Path("metrics/benchmark.json")  # benchmark: engine τ and speedup, integration_fault per arm

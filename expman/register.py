@@ -3,8 +3,11 @@
 Refuses an evaluation of another drafter (the evaluated candidate's sha256 must equal the drafter's). The version
 is tagged with its lineage (every upstream manifest's digest and run, the train run's inputs included), the
 capture contract, the evaluation's tau / speedup / acceptance rate per k, the draft vocab's coverage and the
-evaluate run, whose ``evaluation.json`` ``expman compare`` reads. ``models/registered.json`` (the stage's DVC
-output) records the name, version and ``models:/`` URI.
+evaluate run, whose ``evaluation.json`` ``expman compare`` reads. Its description is that comparison against
+@baseline (τ and speedup per k with 95 % CIs, the engine's numbers and the integration-fault verdict), and the
+register run, the version's source, holds the figures of training, evaluation and benchmark, so the registry page
+tells the story without the CLI. ``models/registered.json`` (the stage's DVC output) records the name, version and
+``models:/`` URI.
 """
 
 from __future__ import annotations
@@ -13,14 +16,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-from expman.compare import summary_metrics
+from expman.compare import compare, render_markdown, summary_metrics
 from expman.errors import ExpmanError
 from expman.params import RegisterParams
 from expman.provenance import read_manifest, sha256_file, upstream_entry
 from expman.registry import INTEGRATION_FAULT_TAG, contract_tags, register_drafter, registered_model_name
-from expman.tracking import lineage_tags, stage_run
+from expman.tracking import StageRun, lineage_tags, open_registry, set_version_description, stage_run
 
-__all__ = ["engine_tags", "register"]
+__all__ = ["describe", "engine_tags", "register"]
 
 
 def _read_evaluation(path: Path) -> dict[str, Any]:
@@ -50,6 +53,49 @@ def engine_tags(benchmark: dict[str, Any]) -> dict[str, str]:
     return tags
 
 
+def describe(model_name: str, version: int, tags: dict[str, str]) -> str:
+    """The version's description: ``expman compare`` of it against @baseline, τ and speedup only, under the
+    integration-fault verdict its ``tags`` carry."""
+    engine, reasons = tags["expman.engine"], tags.get(INTEGRATION_FAULT_TAG + ".reasons")
+    verdict = f"**Integration fault: {tags[INTEGRATION_FAULT_TAG]}**"
+    if engine == "none":
+        verdict += ": no engine ran (benchmark.engine: none)."
+    else:
+        verdict += f" in `{engine}`" + (f": {reasons}" if reasons else ".")
+    report = compare(open_registry(), [str(version)], model_name)
+    return "\n".join(
+        [
+            verdict,
+            "",
+            render_markdown(report, metrics=("tau", "speedup")),
+            "",
+            f"`expman compare {version}` adds acceptance per draft position. The source run's artifacts hold the "
+            "figures: `figures/train.png` (training curves), `figures/evaluate.png` (τ and speedup per k, acceptance "
+            "per draft position, τ per category) and, when an engine ran, `figures/benchmark.png`.",
+        ]
+    )
+
+
+def _log_figures(run: StageRun, curves_dir: Path, evaluation: dict[str, Any], benchmark: dict[str, Any]) -> None:
+    """The figures the train, evaluate and benchmark runs logged, drawn again from their outputs in this run."""
+    from expman.plots import (
+        BENCHMARK_FIGURE,
+        EVALUATE_FIGURE,
+        TRAIN_FIGURE,
+        benchmark_figure,
+        evaluation_figure,
+        read_table,
+        train_figure,
+    )
+
+    steps, heldout = (read_table(curves_dir / f"{name}.csv") for name in ("steps", "heldout"))
+    run.log_figure(train_figure(steps, heldout, "train"), TRAIN_FIGURE)
+    run.log_figure(evaluation_figure(evaluation), EVALUATE_FIGURE)
+    figure = benchmark_figure(benchmark)
+    if figure is not None:
+        run.log_figure(figure, BENCHMARK_FIGURE)
+
+
 def register(
     section: RegisterParams,
     drafter_dir: Path,
@@ -57,10 +103,11 @@ def register(
     benchmark_dir: Path,
     verifier_dir: Path,
     vocab_dir: Path,
+    curves_dir: Path,
     out_path: Path,
 ) -> dict[str, Any]:
-    """Register ``drafter_dir`` with the evaluation in ``evaluate_dir`` and the engine benchmark in
-    ``benchmark_dir``; write ``out_path``; return its content."""
+    """Register ``drafter_dir`` with the evaluation in ``evaluate_dir``, the engine benchmark in ``benchmark_dir``
+    and the training curves in ``curves_dir``; write ``out_path``; return its content."""
     inputs = {
         "prepare": verifier_dir,
         "vocab": vocab_dir,
@@ -99,7 +146,9 @@ def register(
     }
     upstream = {stage: upstream_entry(folder / "manifest.json", manifests[stage]) for stage, folder in inputs.items()}
     with stage_run("register", section.model_dump(), upstream) as run:
+        _log_figures(run, curves_dir, evaluation, benchmark)
         version = register_drafter(run, drafter_dir, model_name, "candidate", tags)
+        set_version_description(model_name, version, describe(model_name, version, tags))
         run.log_metrics(metrics)
         facts = {
             "model_name": model_name,

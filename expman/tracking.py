@@ -44,6 +44,7 @@ __all__ = [
     "register_version",
     "serve_ui",
     "set_alias",
+    "set_version_description",
     "set_version_tags",
     "stage_run",
 ]
@@ -157,6 +158,12 @@ class StageRun:
         import mlflow
 
         mlflow.log_artifact(str(path), artifact_path=artifact_path)
+
+    def log_figure(self, figure: Any, artifact_file: str) -> None:
+        """A matplotlib figure as the image ``artifact_file`` (e.g. ``figures/evaluate.png``) of this run."""
+        import mlflow
+
+        mlflow.log_figure(figure, artifact_file)
 
 
 def _project_store(uri: str, root: Path) -> bool:
@@ -305,6 +312,12 @@ def set_version_tags(name: str, version: int, tags: Mapping[str, str]) -> None:
     client = _client()
     for key, value in tags.items():
         _retry_contended(lambda key=key, value=value: client.set_model_version_tag(name, str(version), key, value))
+
+
+def set_version_description(name: str, version: int, text: str) -> None:
+    """The version's description, which the registry page renders as markdown."""
+    client = _client()
+    _retry_contended(lambda: client.update_model_version(name, str(version), description=text))
 
 
 def set_alias(name: str, alias: str, version: int) -> None:

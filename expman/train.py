@@ -28,6 +28,7 @@ from expman.errors import ExpmanError
 from expman.objective import Packed, VerifierHead, compiled_ttt_loss, metric_values, simulated_tau, ttt_loss
 from expman.parallel import DataParallel
 from expman.params import LAUNCH_KEYS, TrainParams
+from expman.plots import TRAIN_FIGURE, train_figure, train_row, write_tables
 from expman.provenance import atomic_write, atomic_write_json, read_manifest, sha256_file, sha256_json, upstream_entry
 from expman.shards import remove_stale_temps
 from expman.tracking import StageRun, stage_run
@@ -228,6 +229,8 @@ def _evaluate(drafter, head, reader: ShardReader, batches, section, device) -> d
                         weights[name] = weights.get(name, 0.0) + metrics[f"positions_{k}"]
     drafter.train()
     result = {name: totals[name] / weights[name] for name in totals if weights[name]}
+    losses = [(k, result[f"loss_{k}"]) for k in range(section.ttt_steps) if f"loss_{k}" in result]
+    result["loss"] = sum(section.step_loss_decay**k * loss for k, loss in losses)  # the training objective's sum
     cond = [result.get(f"cond_acc_{k}", 0.0) for k in range(section.ttt_steps)]
     for k in range(1, section.ttt_steps + 1):
         result[f"sim_tau_k{k}"] = simulated_tau(cond, k)
@@ -245,9 +248,12 @@ def train(
     stage: str = "train",
     sample_share: float = 1.0,
     finish: Callable[[StageRun, Path], dict[str, Any]] | None = None,
+    curves: Path | None = None,
 ) -> dict[str, Any]:
     """Train (or resume) the drafter; write the speculators-format checkpoint and manifest to ``out_dir``,
-    held-out metrics to ``metrics_path``; resume state lives in ``state_dir``.
+    held-out metrics to ``metrics_path``, the training curves for ``dvc plots`` to ``curves`` (when given:
+    ``steps.csv`` per logging window, ``heldout.csv`` per epoch); resume state lives in ``state_dir``. The run
+    logs the curves as the figure ``figures/train.png``.
 
     The baseline stage reuses this with its own ``stage`` name, a ``sample_share`` of the training samples and a
     ``finish`` step (registration) that runs inside the same MLflow run and adds facts to the manifest."""
@@ -301,15 +307,16 @@ def train(
             "upstream": {k: v["manifest_sha256"] for k, v in upstream.items()},
         }
     )
-    for path in (state_dir / "state.pt", out_dir, metrics_path):
+    tables = [] if curves is None else [curves / "steps.csv", curves / "heldout.csv"]
+    for path in (state_dir / "state.pt", out_dir, metrics_path, *tables):
         remove_stale_temps(path)  # what a kill during an atomic write left beside it
-    step = _resume(state_dir, plan_key, drafter, optimizer, scheduler, noise, parallel)
+    step, history = _resume(state_dir, plan_key, drafter, optimizer, scheduler, noise, parallel, device)
     reader = ShardReader(extract_manifest)
     val_batches = (
         batch_plan(val_refs, section.max_tokens, section.seed, VAL_EPOCH, section.shard_window) if val_refs else []
     )
     logged = section.model_dump() | ({"sample_share": sample_share} if sample_share < 1 else {})
-    loop = _Loop(section, device, parallel, drafter, head, optimizer, scheduler, noise, reader, stage)
+    loop = _Loop(section, device, parallel, drafter, head, optimizer, scheduler, noise, reader, stage, history)
     try:
         with stage_run(stage, logged, upstream) if parallel.main else nullcontext() as run:
             final = loop.run(run, plans, step, val_batches, state_dir, plan_key)
@@ -329,6 +336,9 @@ def train(
             )
             metrics = {"train_samples": len(train_refs), "val_samples": len(val_refs), "steps": loop.step, **final}
             atomic_write_json(metrics_path, metrics)
+            if curves is not None:
+                write_tables(curves, {"steps": loop.history["steps"], "heldout": loop.history["heldout"]})
+            run.log_figure(train_figure(loop.history["steps"], loop.history["heldout"], stage), TRAIN_FIGURE)
             facts = {"contract": contract, "draft_vocab_size": drafter.config.draft_vocab_size, "metrics": metrics}
             if finish is not None:
                 facts.update(finish(run, out_dir))
@@ -348,12 +358,15 @@ def _feed(reader: ShardReader, plan: list[list[SampleRef]], section: TrainParams
 
 class _Loop:
     """The training loop over the planned steps: batches from the feed, one ``training_step`` each, metrics read
-    from the device once per ``log_every`` steps and sent to MLflow off this thread, resume checkpoints."""
+    from the device once per ``log_every`` steps and sent to MLflow off this thread, resume checkpoints.
 
-    def __init__(self, section, device, parallel, drafter, head, optimizer, scheduler, noise, reader, stage):
+    ``history`` (saved with each checkpoint, so a resumed run draws the whole curve): the rows of the curves so
+    far (``steps``, ``heldout``) and the metrics of the logging window still open (``window``)."""
+
+    def __init__(self, section, device, parallel, drafter, head, optimizer, scheduler, noise, reader, stage, history):
         self.section, self.device, self.parallel = section, device, parallel
         self.drafter, self.head, self.optimizer, self.scheduler, self.noise = drafter, head, optimizer, scheduler, noise
-        self.reader, self.stage = reader, stage
+        self.reader, self.stage, self.history = reader, stage, history
         self.step, self.tokens, self.started = 0, 0, time.perf_counter()
 
     def run(self, run, plans, step, val_batches, state_dir: Path, plan_key: str) -> dict[str, float]:
@@ -375,7 +388,6 @@ class _Loop:
         pad_to = section.max_tokens if compiles(section, self.device) else None
         feed = _feed(self.reader, [refs for own, fill in mine for refs in own + fill], section, self.device, pad_to)
         batches = iter(feed)
-        window: list[dict[str, torch.Tensor]] = []
         final: dict[str, float] = {}
         epoch_tokens, epoch_started, warm = 0, time.perf_counter(), False
         bar = tqdm(total=total_steps, initial=step, desc=self.stage, unit="step", disable=not parallel.main)
@@ -409,20 +421,20 @@ class _Loop:
                     seconds = time.perf_counter() - epoch_started
                     if parallel.main and epoch_tokens:
                         run.log_metrics({"epoch_tok_per_s": epoch_tokens / seconds}, step=epoch)
-                if self.step % section.checkpoint_every == 0 or self.step == total_steps:
-                    self._checkpoint(state_dir, plan_key)
                 if parallel.main:
-                    window.append(metrics)
+                    self.history["window"].append(metrics)
                     bar.update(1)
                     if self.step % section.log_every == 0 or self.step == total_steps:
-                        run.log_metrics(self._window_metrics(window), step=self.step)
-                        window = []
+                        self._log_window(run)
                 if epoch_ends:
                     if val_batches and (parallel.main or parallel.sharded):  # FSDP: every forward is a collective
                         final = _evaluate(self.drafter, self.head, self.reader, val_batches, section, self.device)
                         if parallel.main:
                             run.log_metrics({f"val/{k}": v for k, v in final.items()}, step=self.step)
+                            self.history["heldout"].append(train_row(self.step, final, section.ttt_steps))
                     epoch_tokens, epoch_started = 0, time.perf_counter()
+                if self.step % section.checkpoint_every == 0 or self.step == total_steps:  # after what it records
+                    self._checkpoint(state_dir, plan_key)
         finally:
             feed.close()
             bar.close()
@@ -434,14 +446,18 @@ class _Loop:
         if self.device == "cuda":
             torch.cuda.synchronize()
 
-    def _window_metrics(self, window: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-        """The logging window's means, read from the device in one transfer, with simulated τ and the lr."""
-        averaged = metric_values(mean_metrics(window))
+    def _log_window(self, run: StageRun) -> None:
+        """The logging window's means, read from the device in one transfer, with simulated τ: to MLflow with the
+        lr and tokens/s, and to the curves; the window closes."""
+        averaged = metric_values(mean_metrics(self.history["window"]))
         cond = [averaged.get(f"cond_acc_{k}", 0.0) for k in range(self.section.ttt_steps)]
         for k in range(1, self.section.ttt_steps + 1):
             averaged[f"sim_tau_k{k}"] = simulated_tau(cond, k)
         rate = {"tok_per_s": self.tokens / (time.perf_counter() - self.started)} if self.tokens else {}
-        return {f"train/{k}": v for k, v in averaged.items()} | {"lr": self.scheduler.get_last_lr()[0]} | rate
+        logged = {f"train/{k}": v for k, v in averaged.items()} | {"lr": self.scheduler.get_last_lr()[0]} | rate
+        run.log_metrics(logged, step=self.step)
+        self.history["steps"].append(train_row(self.step, averaged, self.section.ttt_steps))
+        self.history["window"] = []
 
     def _checkpoint(self, state_dir: Path, plan_key: str) -> None:
         """The resume state (collectives: every process takes part; the main process writes it)."""
@@ -450,7 +466,8 @@ class _Loop:
         weights = parallel.model_state(self.drafter)
         moments = parallel.optimizer_state(self.drafter, self.optimizer)
         if parallel.main:
-            _save_state(state_dir, plan_key, self.step, weights, moments, self.scheduler, noise_states)
+            history = self.history | {"window": [{k: v.cpu() for k, v in m.items()} for m in self.history["window"]]}
+            _save_state(state_dir, plan_key, self.step, weights, moments, self.scheduler, noise_states, history)
 
 
 def _tokens(group: list[list[SampleRef]], max_tokens: int) -> int:
@@ -463,10 +480,10 @@ def _steps(batches: list, per_step: int) -> list[list]:
     return [batches[start : start + per_step] for start in range(0, len(batches), per_step)]
 
 
-def _save_state(state_dir: Path, plan_key: str, step: int, weights, moments, scheduler, noise_states) -> None:
+def _save_state(state_dir: Path, plan_key: str, step: int, weights, moments, scheduler, noise_states, history) -> None:
     """Everything a resume needs, written atomically (read back with ``weights_only=True``: no pickle code):
-    the drafter's ``weights`` but the frozen embedding, the optimizer's ``moments``, and ``noise_states``, each
-    process's noise generator state, by rank."""
+    the drafter's ``weights`` but the frozen embedding, the optimizer's ``moments``, ``noise_states``, each
+    process's noise generator state, by rank, and the curves' ``history`` (its open window on the CPU)."""
     state = {
         "plan_key": plan_key,
         "step": step,
@@ -475,6 +492,7 @@ def _save_state(state_dir: Path, plan_key: str, step: int, weights, moments, sch
         "scheduler": scheduler.state_dict(),
         "torch_rng": torch.get_rng_state(),
         "noise_rng": noise_states,
+        "history": history,
     }
 
     def write(tmp: Path) -> None:
@@ -494,16 +512,22 @@ def _interned(value: Any) -> Any:
     return value
 
 
-def _resume(state_dir: Path, plan_key: str, drafter, optimizer, scheduler, noise, parallel: DataParallel) -> int:
-    """Restore the last state of this exact plan; any other state is ignored (a fresh start). Returns the step."""
+def _resume(
+    state_dir: Path, plan_key: str, drafter, optimizer, scheduler, noise, parallel: DataParallel, device: str
+) -> tuple[int, dict[str, list]]:
+    """Restore the last state of this exact plan; any other state is ignored (a fresh start). Returns the step and
+    the curves' history (see ``_Loop``)."""
     path = state_dir / "state.pt"
+    fresh: dict[str, list] = {"steps": [], "heldout": [], "window": []}
     if not path.is_file():
-        return 0
+        return 0, fresh
     state = torch.load(path, weights_only=True, map_location="cpu")
     if state.get("plan_key") != plan_key:
-        return 0
+        return 0, fresh
     parallel.load_states(drafter, optimizer, state["model"], state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["torch_rng"])
     noise.set_state(state["noise_rng"][parallel.rank])
-    return int(state["step"])
+    history = state.get("history", fresh)
+    history["window"] = [{k: v.to(device) for k, v in m.items()} for m in history["window"]]
+    return int(state["step"]), history

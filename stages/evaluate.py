@@ -20,6 +20,7 @@ def main(params_file: str) -> None:
             paths.DRAFTER,
             paths.EVALUATE,
             paths.EVALUATE_METRICS,
+            paths.EVALUATE_PLOTS,
         )
 
 

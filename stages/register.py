@@ -14,7 +14,16 @@ def main(params_file: str) -> None:
     """Register models/drafter with its lineage, capture contract and evaluation numbers; move alias candidate."""
     with user_errors():
         section = load_params(params_file).register_
-        register(section, paths.DRAFTER, paths.EVALUATE, paths.BENCHMARK, paths.VERIFIER, paths.VOCAB, paths.REGISTERED)
+        register(
+            section,
+            paths.DRAFTER,
+            paths.EVALUATE,
+            paths.BENCHMARK,
+            paths.VERIFIER,
+            paths.VOCAB,
+            paths.TRAIN_PLOTS,
+            paths.REGISTERED,
+        )
 
 
 if __name__ == "__main__":

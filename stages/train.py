@@ -29,6 +29,7 @@ def main(params_file: str) -> None:
                 paths.DRAFTER,
                 paths.TRAIN_STATE,
                 paths.TRAIN_METRICS,
+                curves=paths.TRAIN_PLOTS,
             )
     if exit_code:
         sys.exit(exit_code)

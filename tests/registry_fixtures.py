@@ -97,7 +97,10 @@ def synthetic_evaluation(
     ids: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """A plausible evaluation: ``arms`` maps arm name to (sha256, per-draft acceptance quality); a round costs one
-    verifier forward (20 ms) plus 3 ms per drafted token, so a weak drafter is slower than no speculation."""
+    verifier forward (20 ms) plus 3 ms per drafted token, so a weak drafter is slower than no speculation. Its
+    summary is the evaluate stage's own."""
+    from expman.evaluate import summarize
+
     rng = random.Random(seed)
     rows = []
     for index in range(prompts):
@@ -115,7 +118,8 @@ def synthetic_evaluation(
                 seconds = rounds * (0.02 + 0.003 * k) * noise
                 row[arm][str(k)] = arm_result(k, rounds, per_position, tokens, seconds)
         rows.append(row)
-    return evaluation(rows, ks, {arm: sha for arm, (sha, _) in arms.items()})
+    result = evaluation(rows, ks, {arm: sha for arm, (sha, _) in arms.items()})
+    return result | {"summary": summarize(rows, list(arms), list(ks))}
 
 
 def tiny_checkpoint(folder: Path, seed: int = 0) -> Path:

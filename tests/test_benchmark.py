@@ -44,7 +44,15 @@ def _trained_project(project: Path) -> None:
     train(
         params.train, paths.VERIFIER, paths.EXTRACT, paths.VOCAB, paths.DRAFTER, paths.TRAIN_STATE, paths.TRAIN_METRICS
     )
-    evaluate(params, paths.VERIFIER, paths.GENERATED, paths.DRAFTER, paths.EVALUATE, paths.EVALUATE_METRICS)
+    evaluate(
+        params,
+        paths.VERIFIER,
+        paths.GENERATED,
+        paths.DRAFTER,
+        paths.EVALUATE,
+        paths.EVALUATE_METRICS,
+        paths.EVALUATE_PLOTS,
+    )
 
 
 def test_a_shifted_export_is_flagged_and_the_reference_keeps_the_trained_layers(project: Path) -> None:
@@ -64,6 +72,7 @@ def test_a_shifted_export_is_flagged_and_the_reference_keeps_the_trained_layers(
         paths.DRAFTER,
         paths.EVALUATE,
         paths.EVALUATE_METRICS,
+        paths.EVALUATE_PLOTS,
     )
     evaluation = json.loads((project / paths.EVALUATE / "evaluation.json").read_text())
     assert evaluation["arms"]["candidate"]["aux_layers"] == contract  # the reference measures the drafter itself
@@ -86,6 +95,10 @@ def test_engine_none_is_recorded_as_not_measured(project: Path) -> None:
     result = json.loads((project / paths.BENCHMARK / "benchmark.json").read_text())
     assert "engine is none" in result["skipped"] and result["arms"] == {}
     assert manifest["provenance"]["upstream"]["evaluate"]["manifest_sha256"]
+    import mlflow
+
+    run_id = manifest["provenance"]["mlflow_run_id"]
+    assert not mlflow.MlflowClient().list_artifacts(run_id, "figures"), "no engine ran: nothing to draw"
 
     from expman.register import engine_tags
 

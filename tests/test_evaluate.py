@@ -5,6 +5,7 @@ forward, rejection sampling is lossless, and the summary pools per-prompt counte
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -180,7 +181,7 @@ def test_select_prompts_round_robin_over_categories() -> None:
     assert len(select_prompts(records, None)) == 6
 
 
-def test_summary_pools_counters_as_designed() -> None:
+def test_summary_pools_counters_as_designed(tmp_path: Path) -> None:
     def arm(rounds, accepted, per_position, tokens, seconds, equal=True):
         return {
             "rounds": rounds,
@@ -216,6 +217,21 @@ def test_summary_pools_counters_as_designed() -> None:
     assert summary["by_category"]["x"]["candidate"]["k2"]["tau"] == pytest.approx(2.5)
     json.dumps(summary)  # JSON-ready
 
+    # without a baseline arm (evaluate.baseline: null) its plot columns are nan, which Vega leaves out (an empty cell
+    # would be drawn as 0), and the figure draws the candidate alone
+    from expman.plots import evaluation_figure, evaluation_tables, read_table, write_tables
+
+    evaluation = {"ks": [2], "prompts": prompts, "target": "torch-cpu-batch1", "summary": summary}
+    write_tables(tmp_path, evaluation_tables(evaluation))
+    assert (tmp_path / "tau.csv").read_text() == "k,baseline,candidate\n2,nan,1.5\n"
+    assert read_table(tmp_path / "per_position.csv")[1] == {
+        "position": 2,
+        "baseline": pytest.approx(math.nan, nan_ok=True),
+        "candidate": 0.15,
+    }
+    assert [row["label"] for row in read_table(tmp_path / "by_category.csv")] == ["x · candidate", "y · candidate"]
+    evaluation_figure(evaluation).savefig(tmp_path / "evaluate.png")
+
 
 def test_baseline_train_and_evaluate_stages_on_the_tiny_project(project: Path) -> None:
     import yaml
@@ -245,7 +261,15 @@ def test_baseline_train_and_evaluate_stages_on_the_tiny_project(project: Path) -
     assert trained["metrics"]["train_samples"] > base["train_samples"]  # the baseline saw a share of the samples
     assert trained["provenance"]["upstream"]["finetune_from"]["manifest"] == "models/baseline"
 
-    manifest = evaluate(loaded, paths.VERIFIER, paths.GENERATED, paths.DRAFTER, paths.EVALUATE, paths.EVALUATE_METRICS)
+    manifest = evaluate(
+        loaded,
+        paths.VERIFIER,
+        paths.GENERATED,
+        paths.DRAFTER,
+        paths.EVALUATE,
+        paths.EVALUATE_METRICS,
+        paths.EVALUATE_PLOTS,
+    )
     evaluation = json.loads((project / paths.EVALUATE / "evaluation.json").read_text())
     assert set(evaluation["arms"]) == {"baseline", "candidate"}
     assert len(evaluation["prompts"]) == 4 and manifest["prompts"] == 4
@@ -261,3 +285,31 @@ def test_baseline_train_and_evaluate_stages_on_the_tiny_project(project: Path) -
             assert 1.0 <= pooled["tau"] <= k + 1 and pooled["speedup"] > 0 and pooled["greedy_mismatches"] == 0
     assert set(manifest["provenance"]["upstream"]) == {"prepare", "generate", "baseline", "candidate"}
     assert json.loads((project / paths.EVALUATE_METRICS).read_text())["candidate"]["k3"]["tau"] >= 1.0
+
+    # the tables dvc plots draws, and the same pictures in the run
+    from expman.plots import read_table
+
+    summary = evaluation["summary"]
+    names = ("tau", "speedup", "per_position", "by_category")
+    tables = {name: read_table(project / paths.EVALUATE_PLOTS / f"{name}.csv") for name in names}
+    assert tables["tau"] == [
+        {"k": k, **{arm: pytest.approx(summary[arm][f"k{k}"]["tau"], rel=1e-5) for arm in ("baseline", "candidate")}}
+        for k in (1, 3)
+    ]
+    assert [row["candidate"] for row in tables["speedup"]] == pytest.approx(
+        [summary["candidate"][f"k{k}"]["speedup"] for k in (1, 3)], rel=1e-5
+    )
+    assert [row["position"] for row in tables["per_position"]] == [1, 2, 3]
+    assert [row["baseline"] for row in tables["per_position"]] == pytest.approx(
+        summary["baseline"]["k3"]["per_position"], rel=1e-5, abs=1e-9
+    )
+    categories = summary["by_category"]
+    assert {(row["category"], row["arm"]): row["tau"] for row in tables["by_category"]} == {
+        (category, arm): pytest.approx(block[arm]["k3"]["tau"], rel=1e-5)
+        for category, block in categories.items()
+        for arm in ("baseline", "candidate")
+    }
+    import mlflow
+
+    run_id = manifest["provenance"]["mlflow_run_id"]
+    assert [a.path for a in mlflow.MlflowClient().list_artifacts(run_id, "figures")] == ["figures/evaluate.png"]

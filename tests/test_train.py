@@ -19,6 +19,7 @@ from expman.checkpoint import load_drafter
 from expman.errors import ExpmanError
 from expman.objective import VerifierHead
 from expman.params import load_params
+from expman.plots import read_table
 from expman.train import train
 from tests.test_pipeline import run_until
 
@@ -32,6 +33,7 @@ def run_train() -> dict:
         paths.DRAFTER,
         paths.TRAIN_STATE,
         paths.TRAIN_METRICS,
+        curves=paths.TRAIN_PLOTS,
     )
 
 
@@ -56,12 +58,26 @@ def test_train_outputs_and_curves(project: Path) -> None:
     runs = mlflow.search_runs(search_all_experiments=True, output_format="list")
     by_stage = {r.data.tags["expman.stage"]: r for r in runs}
     train_run = by_stage["train"]
-    history = MlflowClient().get_metric_history(train_run.info.run_id, "train/loss_0")
+    history = MlflowClient().get_metric_history(train_run.info.run_id, "train/loss")
     assert len(history) >= 2  # a curve, not a single point
-    for name in ("train/cond_acc_2", "train/sim_tau_k3", "lr", "tok_per_s", "val/acc_0", "val/sim_tau_k1"):
+    for name in ("train/cond_acc_2", "train/sim_tau_k3", "lr", "tok_per_s", "val/acc_0", "val/sim_tau_k1", "val/loss"):
         assert name in train_run.data.metrics, name
+    assert [a.path for a in MlflowClient().list_artifacts(train_run.info.run_id, "figures")] == ["figures/train.png"]
+
     assert train_run.data.tags["expman.upstream.extract.run_id"] == by_stage["extract"].info.run_id
     assert train_run.data.tags["expman.upstream.vocab.run_id"] == by_stage["vocab"].info.run_id
+
+    # the curves dvc plots draws: one row per logging window (log_every 2, and the last step), one per epoch
+    steps = read_table(project / paths.TRAIN_PLOTS / "steps.csv")
+    heldout = read_table(project / paths.TRAIN_PLOTS / "heldout.csv")
+    total = metrics["steps"]
+    assert [row["step"] for row in steps] == sorted({*range(2, total + 1, 2), total})
+    assert list(steps[0]) == ["step", "loss", "acc_0", "acc_1", "acc_2", "sim_tau_k1", "sim_tau_k2", "sim_tau_k3"]
+    logged = [m.value for m in sorted(history, key=lambda m: m.step)]
+    assert [row["loss"] for row in steps] == pytest.approx(logged, rel=1e-5)
+    assert len(heldout) == 2 and heldout[-1]["step"] == total
+    assert heldout[-1]["acc_0"] == pytest.approx(metrics["acc_0"], rel=1e-5)
+    assert heldout[-1]["loss"] == pytest.approx(metrics["loss"], rel=1e-5)
 
 
 @pytest.mark.parametrize("crash_at", [5, 9])  # objective calls: in epoch 0, and in epoch 1 past a checkpoint
@@ -70,8 +86,10 @@ def test_train_resumes_bit_identical(project: Path, monkeypatch: pytest.MonkeyPa
     manifest = run_train()
     assert manifest["metrics"]["steps"] >= 8
     uninterrupted = load_file(str(project / paths.DRAFTER / "model.safetensors"))
+    curves = {name: (project / paths.TRAIN_PLOTS / name).read_bytes() for name in ("steps.csv", "heldout.csv")}
     shutil.rmtree(project / paths.DRAFTER)
     shutil.rmtree(project / paths.TRAIN_STATE)
+    shutil.rmtree(project / paths.TRAIN_PLOTS)
 
     real = train_module.ttt_loss
     calls = []
@@ -92,6 +110,8 @@ def test_train_resumes_bit_identical(project: Path, monkeypatch: pytest.MonkeyPa
     assert resumed.keys() == uninterrupted.keys()
     for name, tensor in uninterrupted.items():
         assert torch.equal(resumed[name], tensor), name
+    for name, content in curves.items():  # the whole curve, the part before the crash and its open window too
+        assert (project / paths.TRAIN_PLOTS / name).read_bytes() == content, name
 
 
 def test_noise_std_changes_the_training(project: Path) -> None:

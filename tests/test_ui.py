@@ -145,12 +145,14 @@ def serve_ui(root: Path, log_path: Path) -> Iterator[str]:
 
 
 class Page(HTMLParser):
-    """A rendered page: its visible text (scripts and styles left out, whitespace collapsed) and its links."""
+    """A rendered page: its visible text (scripts and styles left out, whitespace collapsed), its links and the alt
+    texts of its images."""
 
     def __init__(self, dom: str):
         super().__init__()
         self.chunks: list[str] = []
         self.links: list[tuple[str, str]] = []
+        self.images: list[str] = []
         self.hidden = 0
         self.anchor: tuple[str, list[str]] | None = None
         self.feed(dom)
@@ -161,6 +163,8 @@ class Page(HTMLParser):
             self.hidden += 1
         elif tag == "a":
             self.anchor = (dict(attrs).get("href") or "", [])
+        elif tag == "img":
+            self.images.append(dict(attrs).get("alt") or "")
 
     def handle_endtag(self, tag: str) -> None:
         if tag in ("script", "style"):
