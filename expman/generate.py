@@ -169,7 +169,6 @@ def _regenerate(
 
 
 def _self_prompts(
-    backend: Backend | None,
     verifier_dir: Path,
     section: GenerateParams,
     settings: dict[str, Any],
@@ -177,7 +176,7 @@ def _self_prompts(
     out_dir: Path,
 ) -> tuple[Backend | None, dict[str, Any]]:
     """Add the prompts the verifier writes itself to the train conversations (written once, then reused while
-    their plan is unchanged); return the backend, if one was started, and the prompts' manifest entry."""
+    their plan is unchanged); return the backend, if one had to be started, and the prompts' manifest entry."""
     import torch
 
     from expman.self_prompts import PromptFilter, user_turn_prefix, write_prompts
@@ -199,13 +198,14 @@ def _self_prompts(
         }
     )
     name = "prompts.jsonl"
+    backend: Backend | None = None
     entry = shards.done(name, key)
     if entry is None:
-        backend = backend or _make_backend(verifier_dir, section)
+        backend = _make_backend(verifier_dir, section)
         torch.manual_seed(wanted.seed)  # the hf backend samples from the global generator
         report = write_prompts(backend, prefix, PromptFilter(wanted, heldout, known), section.batch_size)
-        records = enumerate(report.prompts)
-        lines = [{"id": f"self-{i:06d}", "category": wanted.category, "prompt": p} for i, p in records]
+        numbered = enumerate(report.prompts)
+        lines = [{"id": f"self-{i:06d}", "category": wanted.category, "prompt": p} for i, p in numbered]
         entry = shards.write(name, key, _write_jsonl(lines), **report.facts(wanted))
     shards.remove_others({name})
     path = verify_shard(shards.folder, entry)
@@ -260,7 +260,7 @@ def generate(params: Params, verifier_dir: Path, out_dir: Path) -> dict[str, Any
         backend: Backend | None = None
         self_prompted: dict[str, Any] | None = None
         if section.self_prompts.count:
-            backend, self_prompted = _self_prompts(backend, verifier_dir, section, settings, conversations, out_dir)
+            backend, self_prompted = _self_prompts(verifier_dir, section, settings, conversations, out_dir)
             run.log_metrics(_self_prompt_metrics(self_prompted))
         originals = conversations.get("train", [])
         for k in range(1, section.sampled_responses + 1):  # after the originals: their shards stay as they were

@@ -59,8 +59,8 @@ def _normal(text: str) -> str:
     return " ".join(re.findall(r"\w+", unicodedata.normalize("NFKC", text).casefold()))
 
 
-def _shingles(text: str) -> set[str]:
-    normal = _normal(text)
+def _shingles(normal: str) -> set[str]:
+    """The character 5-grams of a normalized text (the text itself when shorter)."""
     if len(normal) <= SHINGLE:
         return {normal}
     return {normal[i : i + SHINGLE] for i in range(len(normal) - SHINGLE + 1)}
@@ -90,21 +90,20 @@ class PromptFilter:
 
         self._lsh = MinHashLSH(threshold=self.settings.near_duplicate, num_perm=MINHASH_PERMUTATIONS)
         self._exact: set[str] = set()
-        self._heldout = [_shingles(t) for t in self.heldout]
         self._heldout_normal = {_normal(t) for t in self.heldout}
+        self._heldout = [_shingles(n) for n in map(_normal, self.heldout)]
         self._by_shingle: dict[str, list[int]] = {}
         for index, shingles in enumerate(self._heldout):
             for shingle in shingles:
                 self._by_shingle.setdefault(shingle, []).append(index)
         for text in self.known:
-            self._remember(text, _shingles(text))
+            normal = _normal(text)
+            if normal not in self._exact:
+                self._remember(normal, self._minhash(_shingles(normal)))
 
-    def _remember(self, text: str, shingles: set[str]) -> None:
-        key = _normal(text)
-        if key in self._exact:
-            return
-        self._exact.add(key)
-        self._lsh.insert(str(len(self._exact)), self._minhash(shingles))
+    def _remember(self, normal: str, signature: Any) -> None:
+        self._exact.add(normal)
+        self._lsh.insert(str(len(self._exact)), signature)
 
     @staticmethod
     def _minhash(shingles: set[str]) -> Any:
@@ -116,14 +115,17 @@ class PromptFilter:
 
     def near_heldout(self, text: str) -> bool:
         """True when ``text`` equals, overlaps (Jaccard) or contains a held-out turn at the threshold; exact."""
-        if _normal(text) in self._heldout_normal:
+        normal = _normal(text)
+        return self._near_heldout(normal, _shingles(normal))
+
+    def _near_heldout(self, normal: str, shingles: set[str]) -> bool:
+        if normal in self._heldout_normal:
             return True
-        shingles = _shingles(text)
         shared = Counter(i for s in shingles for i in self._by_shingle.get(s, ()))
         threshold = self.settings.near_duplicate
         for index, common in shared.items():
-            other = self._heldout[index]
-            if common / len(shingles | other) >= threshold or common / len(other) >= threshold:
+            other = len(self._heldout[index])
+            if common / (len(shingles) + other - common) >= threshold or common / other >= threshold:
                 return True
         return False
 
@@ -140,14 +142,16 @@ class PromptFilter:
             return "not_text"
         if REFUSAL.search(text):
             return "refusal"
-        if self.near_heldout(text):
+        normal = _normal(text)
+        shingles = _shingles(normal)
+        if self._near_heldout(normal, shingles):
             return "heldout_near_copy"
-        if _normal(text) in self._exact:
+        if normal in self._exact:
             return "exact_duplicate"
-        shingles = _shingles(text)
-        if self._lsh.query(self._minhash(shingles)):
+        signature = self._minhash(shingles)
+        if self._lsh.query(signature):
             return "near_duplicate"
-        self._remember(text, shingles)
+        self._remember(normal, signature)
         return None
 
     def keep(self, text: str, stopped: bool) -> bool:
