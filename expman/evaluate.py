@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -412,6 +412,146 @@ def _arm_row(
     }
 
 
+def _load_models(
+    verifier_dir: Path, arm_paths: dict[str, Path], device: str, dtype: torch.dtype
+) -> tuple[Any, set[int], dict[str, Eagle3Drafter]]:
+    """The verifier, its end-of-turn ids and one drafter per arm, on ``device`` in ``dtype``."""
+    from expman.objective import VerifierHead
+    from expman.verifier import load_tokenizer, load_verifier
+
+    verifier = read_manifest(verifier_dir / "manifest.json", "prepare")["verifier"]
+    embedding = VerifierHead.load(verifier_dir).embed
+    drafters = {arm: _load_arm(path, embedding, verifier, device, dtype) for arm, path in arm_paths.items()}
+    model = load_verifier(verifier_dir, device, dtype)
+    eos = model.generation_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos]) | {load_tokenizer(verifier_dir).eos_token_id}
+    return model, eos_ids, drafters
+
+
+def _checked_aux_layers(
+    verifier_dir: Path, verifier: dict[str, Any], arm_paths: dict[str, Path]
+) -> dict[str, list[int]]:
+    """Each arm checked against the verifier before any decode starts; the aux layers it will be fed."""
+    from expman.objective import VerifierHead
+
+    embedding = VerifierHead.load(verifier_dir).embed
+    return {
+        arm: list(_load_arm(path, embedding, verifier, "cpu", torch.float32).config.aux_layer_ids)
+        for arm, path in arm_paths.items()
+    }
+
+
+def _decode_prompt(
+    section: EvaluateParams, model: Any, eos_ids: set[int], drafters: dict[str, Eagle3Drafter], record: dict[str, Any]
+) -> dict[str, Any]:
+    """One prompt's row: plain decoding (timed without the tie bookkeeping), then every arm and k."""
+    temperature, seed, limit = section.temperature, section.seed, section.max_new_tokens
+    prompt_ids = record["input_ids"][: record["prompt_tokens"]]
+    started = time.perf_counter()
+    reference = greedy_decode(model, prompt_ids, limit, eos_ids, temperature, seed)
+    seconds = time.perf_counter() - started - reference.check_seconds
+    row: dict[str, Any] = {
+        "id": record["id"],
+        "category": record["category"],
+        "nospec": {"tokens": len(reference.tokens), "seconds": seconds},
+    }
+    for arm, drafter in drafters.items():
+        row[arm] = {}
+        for k in section.ks:
+            started = time.perf_counter()
+            tokens, stats = speculative_decode(model, drafter, prompt_ids, k, limit, eos_ids, temperature, seed)
+            seconds = time.perf_counter() - started
+            row[arm][str(k)] = _arm_row(tokens, stats, seconds, None if temperature else reference)
+    return row
+
+
+def _decode_rows(
+    section: EvaluateParams,
+    verifier_dir: Path,
+    arm_paths: dict[str, Path],
+    device: str,
+    dtype: torch.dtype,
+    prompts: list[dict[str, Any]],
+) -> Iterator[dict[str, Any]]:
+    """Load the models, warm them up outside the timings, then yield one row per prompt."""
+    model, eos_ids, drafters = _load_models(verifier_dir, arm_paths, device, dtype)
+    first = prompts[0]["input_ids"][: prompts[0]["prompt_tokens"]]
+    greedy_decode(model, first, 8, eos_ids)
+    for drafter in drafters.values():
+        speculative_decode(model, drafter, first, max(section.ks), 8, eos_ids)
+    for record in prompts:
+        yield _decode_prompt(section, model, eos_ids, drafters, record)
+
+
+def _decode_worker(
+    section: EvaluateParams,
+    verifier_dir: Path,
+    arm_paths: dict[str, Path],
+    device: str,
+    dtype: torch.dtype,
+    prompts: list[dict[str, Any]],
+    rows_path: Path,
+    threads: int,
+) -> None:
+    """A worker process: its share of the prompts, one JSON row per line as each finishes."""
+    import json
+
+    torch.set_num_threads(threads)
+    with rows_path.open("w") as out:
+        for row in _decode_rows(section, verifier_dir, arm_paths, device, dtype, prompts):
+            out.write(json.dumps(row) + "\n")
+            out.flush()
+
+
+def _decode_in_workers(
+    section: EvaluateParams,
+    verifier_dir: Path,
+    arm_paths: dict[str, Path],
+    device: str,
+    dtype: torch.dtype,
+    prompts: list[dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """Prompts dealt round-robin to ``section.workers`` processes, each with its own verifier and drafters (a batch-1
+    decode on a GPU is bound by kernel launches, so one GPU serves several); rows come back in prompt order."""
+    import json
+    import os
+    import tempfile
+
+    from tqdm import tqdm
+
+    workers = min(section.workers, len(prompts))
+    threads = 1 if device.startswith("cuda") else max(1, (os.cpu_count() or 1) // workers)
+    context = torch.multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="expman-evaluate-") as folder:
+        files = [Path(folder) / f"worker-{i}.jsonl" for i in range(workers)]
+        processes = [
+            context.Process(
+                target=_decode_worker,
+                args=(section, verifier_dir, arm_paths, device, dtype, prompts[i::workers], files[i], threads),
+            )
+            for i in range(workers)
+        ]
+        for process in processes:
+            process.start()
+        try:
+            with tqdm(total=len(prompts), desc=f"evaluate ({workers} workers)", unit="prompt") as bar:
+                while any(p.is_alive() for p in processes):
+                    time.sleep(1.0)
+                    done = sum(len(f.read_text().splitlines()) for f in files if f.exists())
+                    bar.update(done - bar.n)
+        finally:
+            for process in processes:
+                process.terminate()
+                process.join()
+        failed = [i for i, p in enumerate(processes) if p.exitcode != 0]
+        if failed:
+            raise ExpmanError(
+                f"evaluate: worker {failed[0]} exited with {processes[failed[0]].exitcode} (its error is above)"
+            )
+        rows = {row["id"]: row for f in files for row in map(json.loads, f.read_text().splitlines())}
+    return [rows[record["id"]] for record in prompts]
+
+
 def evaluate(
     params: Params,
     verifier_dir: Path,
@@ -426,9 +566,8 @@ def evaluate(
     ``plots_dir``; the run logs the same pictures as ``figures/evaluate.png``."""
     from tqdm import tqdm
 
-    from expman.objective import VerifierHead
     from expman.plots import EVALUATE_FIGURE, evaluation_figure, evaluation_tables, write_tables
-    from expman.verifier import load_tokenizer, load_verifier, resolve_device, resolve_dtype
+    from expman.verifier import resolve_device, resolve_dtype
 
     section: EvaluateParams = params.evaluate
     verifier_manifest = read_manifest(verifier_dir / "manifest.json", "prepare")
@@ -452,54 +591,27 @@ def evaluate(
         upstream[arm] = upstream_entry(path / "manifest.json", read_manifest(path / "manifest.json", stage))
     device = resolve_device(section.device)
     dtype = resolve_dtype(section.dtype, device)
-    embedding = VerifierHead.load(verifier_dir).embed
-    drafters = {
-        arm: _load_arm(path, embedding, verifier_manifest["verifier"], device, dtype) for arm, path in arm_paths.items()
-    }
-    model = load_verifier(verifier_dir, device, dtype)
-    tokenizer = load_tokenizer(verifier_dir)
-    eos = model.generation_config.eos_token_id
-    eos_ids = set(eos if isinstance(eos, list) else [eos]) | {tokenizer.eos_token_id}
-    temperature, seed, limit = section.temperature, section.seed, section.max_new_tokens
-    rows = []
+    aux_layers = _checked_aux_layers(verifier_dir, verifier_manifest["verifier"], arm_paths)
     with stage_run("evaluate", section.model_dump(), upstream) as run:
-        first = prompts[0]["input_ids"][: prompts[0]["prompt_tokens"]]
-        greedy_decode(model, first, 8, eos_ids)  # warm-up outside the timings
-        for drafter in drafters.values():
-            speculative_decode(model, drafter, first, max(section.ks), 8, eos_ids)
-        for record in tqdm(prompts, desc="evaluate", unit="prompt"):
-            prompt_ids = record["input_ids"][: record["prompt_tokens"]]
-            started = time.perf_counter()
-            reference = greedy_decode(model, prompt_ids, limit, eos_ids, temperature, seed)
-            row: dict[str, Any] = {
-                "id": record["id"],
-                "category": record["category"],
-                "nospec": {
-                    "tokens": len(reference.tokens),
-                    "seconds": time.perf_counter() - started - reference.check_seconds,
-                },
-            }
-            for arm, drafter in drafters.items():
-                row[arm] = {}
-                for k in section.ks:
-                    started = time.perf_counter()
-                    tokens, stats = speculative_decode(model, drafter, prompt_ids, k, limit, eos_ids, temperature, seed)
-                    seconds = time.perf_counter() - started
-                    row[arm][str(k)] = _arm_row(tokens, stats, seconds, None if temperature else reference)
-            rows.append(row)
-        summary = summarize(rows, list(drafters), section.ks)
+        if section.workers == 1:
+            decoded = _decode_rows(section, verifier_dir, arm_paths, device, dtype, prompts)
+            rows = list(tqdm(decoded, total=len(prompts), desc="evaluate", unit="prompt"))
+        else:
+            rows = _decode_in_workers(section, verifier_dir, arm_paths, device, dtype, prompts)
+        summary = summarize(rows, list(arm_paths), section.ks)
         evaluation = {
             "ks": section.ks,
-            "max_new_tokens": limit,
-            "temperature": temperature,
+            "max_new_tokens": section.max_new_tokens,
+            "temperature": section.temperature,
             "device": device,
             "dtype": str(dtype).removeprefix("torch."),
             "target": speedup_target(device, dtype),
+            "workers": section.workers,
             "arms": {
                 arm: {
                     "path": str(p),
                     "sha256": sha256_file(p / "model.safetensors"),
-                    "aux_layers": list(drafters[arm].config.aux_layer_ids),  # as fed here: the trained ones
+                    "aux_layers": aux_layers[arm],  # as fed here: the trained ones
                 }
                 for arm, p in arm_paths.items()
             },
@@ -509,7 +621,7 @@ def evaluate(
         atomic_write_json(out_dir / "evaluation.json", evaluation)
         run.log_artifact(out_dir / "evaluation.json")
         flat = {"nospec/tok_per_s": summary["nospec"]["tok_per_s"]}
-        for arm in drafters:
+        for arm in arm_paths:
             for key, values in summary[arm].items():
                 flat.update({f"{arm}/{key}/{name}": values[name] for name in ("tau", "acceptance_rate", "speedup")})
                 flat[f"{arm}/{key}/greedy_mismatches"] = values["greedy_mismatches"]

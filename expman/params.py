@@ -348,6 +348,10 @@ class EvaluateParams(Section):
     """Compute dtype of the verifier and the drafters; auto: float32 on CPU (bf16 matmuls are ~6x slower on AVX2),
     bfloat16 on CUDA. On a CPU with AVX512-BF16 bfloat16 is the faster one (benchmarks/results/round_cost_cpu.json);
     outputs then equal greedy up to bf16 ties, which are counted apart from mismatches."""
+    workers: PositiveInt = 1
+    """Processes decoding prompts side by side, each with its own verifier and drafters. On a GPU a batch-1 decode
+    is bound by kernel launches, so one GPU serves several (the arms of a prompt stay in one process, interleaved, so
+    load hits them alike); on CPU keep 1, the cores are already shared by one decode."""
 
     @field_validator("ks")
     @classmethod

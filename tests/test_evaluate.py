@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -284,6 +285,27 @@ def test_baseline_train_and_evaluate_stages_on_the_tiny_project(project: Path) -
             pooled = evaluation["summary"][arm][f"k{k}"]
             assert 1.0 <= pooled["tau"] <= k + 1 and pooled["speedup"] > 0 and pooled["greedy_mismatches"] == 0
     assert set(manifest["provenance"]["upstream"]) == {"prepare", "generate", "baseline", "candidate"}
+
+    # two worker processes (evaluate.workers) decode the same rows in the same order; only the timings differ
+    parallel = loaded.evaluate.model_copy(update={"workers": 2})
+    evaluate(
+        loaded.model_copy(update={"evaluate": parallel}),
+        paths.VERIFIER,
+        paths.GENERATED,
+        paths.DRAFTER,
+        Path("data/evaluate-2"),
+        Path("metrics/evaluate-2.json"),
+        Path("plots/evaluate-2"),
+    )
+
+    def untimed(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {key: untimed(item) for key, item in value.items() if key != "seconds"}
+        return [untimed(item) for item in value] if isinstance(value, list) else value
+
+    evaluated_in_workers = json.loads((project / "data/evaluate-2/evaluation.json").read_text())
+    assert evaluated_in_workers["workers"] == 2
+    assert untimed(evaluated_in_workers["prompts"]) == untimed(evaluation["prompts"])
     assert json.loads((project / paths.EVALUATE_METRICS).read_text())["candidate"]["k3"]["tau"] >= 1.0
 
     # the tables dvc plots draws, and the same pictures in the run
