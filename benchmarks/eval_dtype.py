@@ -22,7 +22,7 @@ import torch
 from reporting import cpu_name, greedy_equality, write_report
 
 from expman import paths
-from expman.evaluate import evaluate
+from expman.evaluation.evaluate import evaluate
 from expman.params import load_params
 from expman.provenance import package_versions
 

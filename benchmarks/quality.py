@@ -31,8 +31,8 @@ import click
 from reporting import cpu_name, greedy_equality, write_report
 
 from expman import paths
-from expman.evaluate import evaluate, select_prompts
-from expman.generate import read_responses
+from expman.data.generate import read_responses
+from expman.evaluation.evaluate import evaluate, select_prompts
 from expman.params import Params, load_params
 from expman.provenance import package_versions, read_manifest
 
@@ -56,8 +56,8 @@ def _repro(preset: str) -> dict[str, Any]:
 
 def _scratch(params: Params, folder: Path) -> dict[str, Any]:
     """Train from scratch into ``folder``, then evaluate and benchmark it as the only drafter arm."""
-    from expman.benchmark import benchmark
-    from expman.train import train
+    from expman.evaluation.benchmark import benchmark
+    from expman.training.train import train
 
     section = params.train.model_copy(update={"finetune_from": None})
     started = time.perf_counter()

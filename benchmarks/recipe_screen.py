@@ -25,10 +25,10 @@ import yaml
 from reporting import cpu_name, write_report
 
 from expman import paths
-from expman.extract import extract
+from expman.data.extract import extract
+from expman.data.vocab import vocab
 from expman.params import Params, load_params
-from expman.train import train
-from expman.vocab import vocab
+from expman.training.train import train
 
 
 def _with_changes(params: Params, changes: dict[str, Any]) -> Params:

@@ -7,10 +7,10 @@ import sys
 import click
 
 from expman import paths
-from expman.baseline import baseline
 from expman.errors import user_errors
-from expman.parallel import launch
 from expman.params import load_params
+from expman.training.baseline import baseline
+from expman.training.parallel import launch
 
 
 @click.command()

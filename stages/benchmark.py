@@ -3,8 +3,8 @@
 import click
 
 from expman import paths
-from expman.benchmark import benchmark
 from expman.errors import user_errors
+from expman.evaluation.benchmark import benchmark
 from expman.params import load_params
 
 

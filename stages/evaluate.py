@@ -4,7 +4,7 @@ import click
 
 from expman import paths
 from expman.errors import user_errors
-from expman.evaluate import evaluate
+from expman.evaluation.evaluate import evaluate
 from expman.params import load_params
 
 

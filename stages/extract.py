@@ -3,8 +3,8 @@
 import click
 
 from expman import paths
+from expman.data.extract import extract
 from expman.errors import user_errors
-from expman.extract import extract
 from expman.params import load_params
 
 

@@ -3,8 +3,8 @@
 import click
 
 from expman import paths
+from expman.data.generate import generate
 from expman.errors import user_errors
-from expman.generate import generate
 from expman.params import load_params
 
 

@@ -5,7 +5,7 @@ import click
 from expman import paths
 from expman.errors import user_errors
 from expman.params import load_params
-from expman.register import register
+from expman.registry.register import register
 
 
 @click.command()

@@ -1,6 +1,6 @@
 """train: the EAGLE-3 drafter into models/drafter.  Run: python stages/train.py (or dvc repro train).
 
-With ``train.gpus`` or ``train.nodes`` above 1 it starts itself under torchrun (``expman.parallel.launch``)."""
+With ``train.gpus`` or ``train.nodes`` above 1 it starts itself under torchrun (``expman.training.parallel.launch``)."""
 
 import sys
 
@@ -8,9 +8,9 @@ import click
 
 from expman import paths
 from expman.errors import user_errors
-from expman.parallel import launch
 from expman.params import load_params
-from expman.train import train
+from expman.training.parallel import launch
+from expman.training.train import train
 
 
 @click.command()

@@ -15,8 +15,8 @@ import pytest
 import yaml
 
 from expman import paths
-from expman.benchmark import benchmark, contract_mismatch
 from expman.errors import ExpmanError
+from expman.evaluation.benchmark import benchmark, contract_mismatch
 from expman.params import load_params
 from tests.test_dvc import REPO, _run, make_dvc_project
 
@@ -31,9 +31,9 @@ def _shift_served_layers(drafter: Path, by: int = 1) -> list[int]:
 
 
 def _trained_project(project: Path) -> None:
-    from expman.baseline import baseline
-    from expman.evaluate import evaluate
-    from expman.train import train
+    from expman.evaluation.evaluate import evaluate
+    from expman.training.baseline import baseline
+    from expman.training.train import train
     from tests.test_pipeline import run_until
 
     run_until("vocab")
@@ -63,7 +63,7 @@ def test_a_shifted_export_is_flagged_and_the_reference_keeps_the_trained_layers(
     reason = contract_mismatch(paths.DRAFTER)
     assert reason == f"{paths.DRAFTER}/config.json serves aux layers {served}, the drafter was trained on {contract}"
 
-    from expman.evaluate import evaluate
+    from expman.evaluation.evaluate import evaluate
 
     evaluate(
         load_params("params.yaml"),
@@ -100,7 +100,7 @@ def test_engine_none_is_recorded_as_not_measured(project: Path) -> None:
     run_id = manifest["provenance"]["mlflow_run_id"]
     assert not mlflow.MlflowClient().list_artifacts(run_id, "figures"), "no engine ran: nothing to draw"
 
-    from expman.register import engine_tags
+    from expman.registry.register import engine_tags
 
     assert engine_tags(result) == {"expman.engine": "none", "expman.integration_fault": "not measured"}
 

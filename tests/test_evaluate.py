@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from expman.drafter import DrafterConfig, Eagle3Drafter
-from expman.evaluate import (
+from expman.drafter.model import DrafterConfig, Eagle3Drafter
+from expman.evaluation.evaluate import (
     TIE_ULPS,
     DrafterSession,
     GreedyReference,
@@ -237,11 +237,11 @@ def test_baseline_train_and_evaluate_stages_on_the_tiny_project(project: Path) -
     import yaml
 
     from expman import paths
-    from expman.baseline import baseline
-    from expman.evaluate import evaluate
+    from expman.evaluation.evaluate import evaluate
     from expman.params import load_params
-    from expman.tracking import open_registry
-    from expman.train import train
+    from expman.registry.tracking import open_registry
+    from expman.training.baseline import baseline
+    from expman.training.train import train
     from tests.test_pipeline import run_until
 
     run_until("vocab")

@@ -10,15 +10,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from expman import extract as extract_module
 from expman import paths
-from expman.conversations import prompt_id
+from expman.data import extract as extract_module
+from expman.data.conversations import prompt_id
+from expman.data.extract import extract, load_shard
+from expman.data.generate import generate, read_responses
+from expman.data.verifier import prepare
+from expman.data.vocab import vocab
 from expman.errors import ExpmanError
-from expman.extract import extract, load_shard
-from expman.generate import generate, read_responses
 from expman.params import load_params
-from expman.verifier import prepare
-from expman.vocab import vocab
 
 
 def run_until(stage: str) -> None:
@@ -185,7 +185,7 @@ def test_generate_redoes_only_unfinished_shards(project: Path, monkeypatch: pyte
     train = project / paths.GENERATED / "train"
     before = {p.name: p.read_bytes() for p in train.glob("*.jsonl")}
     (train / "shard-00001.jsonl.done.json").unlink()
-    from expman import generate as generate_module
+    from expman.data import generate as generate_module
 
     calls = []
     real = generate_module._regenerate

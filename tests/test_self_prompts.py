@@ -11,10 +11,11 @@ import pytest
 import yaml
 
 from expman import paths
-from expman.generate import GenOutput, generate, read_responses
+from expman.data.backend import GenOutput
+from expman.data.generate import generate, read_responses
+from expman.data.self_prompts import DROP_REASONS, PromptFilter, user_turn_prefix, write_prompts
+from expman.data.verifier import prepare
 from expman.params import SelfPromptParams, load_params
-from expman.self_prompts import DROP_REASONS, PromptFilter, user_turn_prefix, write_prompts
-from expman.verifier import prepare
 from tests.conftest import write_prompts as copy_prompts
 
 REPO = Path(__file__).resolve().parents[1]

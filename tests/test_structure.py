@@ -1,5 +1,5 @@
-"""Project structure rules: the library never imports stages, dvc.yaml writes where expman.paths says,
-and the CLI starts without the heavy libraries."""
+"""Project structure rules: the library never imports stages and has no import circle, dvc.yaml writes where
+expman.paths says, and the CLI starts without the heavy libraries."""
 
 from __future__ import annotations
 
@@ -23,6 +23,44 @@ def test_library_never_imports_stages() -> None:
             if isinstance(node, ast.ImportFrom):
                 names = [node.module or ""]
             assert not any(n == "stages" or n.startswith("stages.") for n in names), path
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Each expman module and the expman modules it imports, at the top or inside a function."""
+    files = {_module_name(path): path for path in (REPO / "expman").rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                imported.add(node.module)  # expman uses absolute imports only
+                imported.update(f"{node.module}.{alias.name}" for alias in node.names)
+        graph[name] = {module for module in imported if module in files and module != name}
+    return graph
+
+
+def test_no_import_circle() -> None:
+    graph = _import_graph()
+    assert "expman.data.generate" in graph["expman.evaluation.evaluate"]  # the graph sees the imports
+    done: set[str] = set()
+
+    def visit(module: str, chain: list[str]) -> None:
+        if module in chain:
+            raise AssertionError("import circle: " + " -> ".join([*chain[chain.index(module) :], module]))
+        if module not in done:
+            for imported in sorted(graph[module]):
+                visit(imported, [*chain, module])
+            done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
 
 
 def test_dvc_outputs_are_the_library_paths() -> None:

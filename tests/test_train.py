@@ -14,13 +14,13 @@ import yaml
 from safetensors.torch import load_file
 
 from expman import paths
-from expman import train as train_module
-from expman.checkpoint import load_drafter
+from expman.drafter.checkpoint import load_drafter
+from expman.drafter.objective import VerifierHead
 from expman.errors import ExpmanError
-from expman.objective import VerifierHead
 from expman.params import load_params
 from expman.plots import read_table
-from expman.train import train
+from expman.training import train as train_module
+from expman.training.train import train
 from tests.test_pipeline import run_until
 
 
@@ -335,7 +335,7 @@ def test_two_hosts_meet_at_a_rendezvous_and_match_one_process(project: Path) -> 
 
 CRASHING_TRAIN = """
 import runpy, sys
-from expman import train
+from expman.training import train
 real, calls = train.ttt_loss, []
 def crash(*args, **kwargs):
     calls.append(1)
@@ -388,9 +388,9 @@ def test_norm_before_residual_is_a_recipe_choice_the_export_records(project: Pat
 def test_an_eagle_baseline_without_norm_before_residual_imports_as_the_engines_read_it(project: Path) -> None:
     """An AQ-MedAI-style EAGLE baseline (no norm_before_residual, no recorded convention): imported as False, the
     value vLLM and SGLang read for that format, written out and recorded on the registered version."""
-    from expman.baseline import baseline
-    from expman.checkpoint import export_eagle
-    from expman.tracking import open_registry
+    from expman.drafter.checkpoint import export_eagle
+    from expman.registry.tracking import open_registry
+    from expman.training.baseline import baseline
 
     run_until("vocab")
     params = yaml.safe_load((project / "params.yaml").read_text())

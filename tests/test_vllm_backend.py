@@ -9,9 +9,9 @@ import pytest
 import yaml
 
 from expman import paths
-from expman.generate import generate, read_responses
+from expman.data.generate import generate, read_responses
+from expman.data.verifier import prepare
 from expman.params import load_params
-from expman.verifier import prepare
 from tests.conftest import write_prompts
 
 REPO = Path(__file__).resolve().parents[1]

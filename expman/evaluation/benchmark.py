@@ -15,11 +15,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+from expman.data.generate import read_responses
 from expman.errors import ExpmanError
-from expman.generate import read_responses
 from expman.params import Params
 from expman.provenance import atomic_write_json, read_manifest, upstream_entry
-from expman.tracking import stage_run
+from expman.registry.tracking import stage_run
 
 __all__ = ["benchmark", "contract_mismatch"]
 
@@ -29,8 +29,8 @@ def contract_mismatch(drafter_dir: Path) -> str | None:
 
     The checkpoint's ``eagle_aux_hidden_state_layer_ids`` is what an engine reads; the manifest of a drafter
     trained here records the capture contract of its features (an imported one has none to hold it to)."""
-    from expman.checkpoint import read_checkpoint
-    from expman.evaluate import trained_aux_layers
+    from expman.drafter.checkpoint import read_checkpoint
+    from expman.evaluation.evaluate import trained_aux_layers
 
     trained = trained_aux_layers(drafter_dir)
     served = list(read_checkpoint(drafter_dir)[1].aux_layer_ids)
@@ -40,7 +40,7 @@ def contract_mismatch(drafter_dir: Path) -> str | None:
 
 
 def _engine_numbers(arm: Any, k: int, nospec: Any, nospec_tok_per_s: float | None) -> dict[str, Any]:
-    from expman.engine_metrics import from_vllm_metrics
+    from expman.engines.metrics import from_vllm_metrics
 
     counters = from_vllm_metrics(arm.metrics_after) - from_vllm_metrics(arm.metrics_before)
     tok_per_s = sum(len(o) for o in arm.outputs) / arm.seconds
@@ -74,9 +74,9 @@ def benchmark(
     """Run no speculation, baseline and candidate in the engine at the evaluation's ks; write ``benchmark.json``
     (engine numbers, reference numbers, verdicts) and ``manifest.json`` to ``out_dir``, a summary to
     ``metrics_path``; the run logs engine against reference as ``figures/benchmark.png``."""
-    from expman.fault_gate import integration_fault
+    from expman.data.verifier import resolve_device
+    from expman.evaluation.fault_gate import integration_fault
     from expman.plots import BENCHMARK_FIGURE, benchmark_figure
-    from expman.verifier import resolve_device
 
     section = params.benchmark
     verifier_manifest = read_manifest(verifier_dir / "manifest.json", "prepare")
@@ -102,7 +102,7 @@ def benchmark(
         else:
             from tqdm import tqdm
 
-            from expman.vllm_engine import run_vllm_arm, vllm_version
+            from expman.engines.vllm import run_vllm_arm, vllm_version
 
             device = resolve_device(section.device)
             dtype = {"auto": "float32" if device == "cpu" else "bfloat16"}.get(section.dtype, section.dtype)

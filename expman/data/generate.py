@@ -12,53 +12,28 @@ import json
 import time
 import zlib
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from expman.conversations import Conversation, read_dataset
+from expman.data.backend import Backend, GenOutput, Messages
+from expman.data.conversations import Conversation, read_dataset
+from expman.data.shards import ShardSet, remove_stale_temps, verify_shard
 from expman.errors import ExpmanError
 from expman.params import GenerateParams, Params
 from expman.provenance import read_manifest, sha256_json, upstream_entry
-from expman.shards import ShardSet, remove_stale_temps, verify_shard
-from expman.tracking import stage_run
+from expman.registry.tracking import stage_run
 
-__all__ = ["GenOutput", "generate", "read_responses"]
+__all__ = ["generate", "read_responses"]
 
-Messages = list[dict[str, str]]
 SHARD_COUNTS = ("records", "failed", "prompt_tokens", "response_tokens")
-
-
-@dataclass(frozen=True)
-class GenOutput:
-    """One generated reply: the prompt ids the engine saw, the generated ids (EOS included), the text."""
-
-    prompt_ids: list[int]
-    output_ids: list[int]
-    text: str
-    finish_reason: str
-
-
-class Backend(Protocol):
-    def generate(self, batch: Sequence[Messages], temperature: float, seeds: Sequence[int]) -> list[GenOutput]:
-        """One reply per conversation of ``batch``, at ``temperature`` (0 = greedy); ``seeds`` has one seed per
-        conversation for engines that seed each request."""
-        ...
-
-    def complete(
-        self, prompts: Sequence[list[int]], temperature: float, seeds: Sequence[int], max_new_tokens: int
-    ) -> list[GenOutput]:
-        """Continue token-id prompts (no chat template applied), each up to its end of turn."""
-        ...
-
-    def close(self) -> None: ...
 
 
 class HFBackend:
     """Batched greedy (or sampled) generation with transformers; left padding, one prompt length bucket per batch."""
 
     def __init__(self, model_dir: Path, params: GenerateParams):
-        from expman.verifier import load_tokenizer, load_verifier, resolve_device, resolve_dtype
+        from expman.data.verifier import load_tokenizer, load_verifier, resolve_device, resolve_dtype
 
         self.params = params
         self.device = resolve_device(params.device)
@@ -120,7 +95,7 @@ class HFBackend:
 
 def _make_backend(model_dir: Path, params: GenerateParams) -> Backend:
     if params.backend == "vllm":
-        from expman.vllm_engine import VllmGenerator
+        from expman.engines.vllm import VllmGenerator
 
         return VllmGenerator(model_dir, params)
     return HFBackend(model_dir, params)
@@ -179,8 +154,8 @@ def _self_prompts(
     their plan is unchanged); return the backend, if one had to be started, and the prompts' manifest entry."""
     import torch
 
-    from expman.self_prompts import PromptFilter, user_turn_prefix, write_prompts
-    from expman.verifier import load_tokenizer
+    from expman.data.self_prompts import PromptFilter, user_turn_prefix, write_prompts
+    from expman.data.verifier import load_tokenizer
 
     wanted = section.self_prompts
     heldout = [turn for c in conversations.get("heldout", []) for turn in c.user_turns]

@@ -16,12 +16,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-from expman.compare import compare, render_markdown, summary_metrics
 from expman.errors import ExpmanError
 from expman.params import RegisterParams
 from expman.provenance import read_manifest, sha256_file, upstream_entry
-from expman.registry import INTEGRATION_FAULT_TAG, contract_tags, register_drafter, registered_model_name
-from expman.tracking import StageRun, lineage_tags, open_registry, set_version_description, stage_run
+from expman.registry.compare import compare, render_markdown, summary_metrics
+from expman.registry.tracking import StageRun, lineage_tags, open_registry, set_version_description, stage_run
+from expman.registry.versions import INTEGRATION_FAULT_TAG, contract_tags, register_drafter, registered_model_name
 
 __all__ = ["describe", "engine_tags", "register"]
 

@@ -19,12 +19,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from expman.data.generate import read_responses
+from expman.data.shards import ShardSet, remove_stale_temps, verify_shard
 from expman.errors import ExpmanError
-from expman.generate import read_responses
 from expman.params import ExtractParams, Params
 from expman.provenance import read_manifest, sha256_json, upstream_entry
-from expman.shards import ShardSet, remove_stale_temps, verify_shard
-from expman.tracking import stage_run
+from expman.registry.tracking import stage_run
 
 __all__ = [
     "CaptureHooks",
@@ -318,7 +318,7 @@ def extract(params: Params, verifier_dir: Path, generated_dir: Path, out_dir: Pa
     """Write shards to ``params.extract.shard_dir`` and ``out_dir/manifest.json``."""
     from tqdm import tqdm
 
-    from expman.verifier import load_verifier, resolve_device, resolve_dtype
+    from expman.data.verifier import load_verifier, resolve_device, resolve_dtype
 
     section = params.extract
     verifier_manifest = read_manifest(verifier_dir / "manifest.json", "prepare")

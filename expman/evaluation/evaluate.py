@@ -26,12 +26,12 @@ from typing import Any
 
 import torch
 
-from expman.drafter import Eagle3Drafter
+from expman.data.generate import read_responses
+from expman.drafter.model import Eagle3Drafter
 from expman.errors import ExpmanError
-from expman.generate import read_responses
 from expman.params import EvaluateParams, Params
 from expman.provenance import atomic_write_json, read_manifest, sha256_file, upstream_entry
-from expman.tracking import stage_run
+from expman.registry.tracking import stage_run
 
 __all__ = [
     "TIE_ULPS",
@@ -372,7 +372,7 @@ def _load_arm(
     integration fault)."""
     import dataclasses
 
-    from expman.checkpoint import load_drafter
+    from expman.drafter.checkpoint import load_drafter
 
     drafter = load_drafter(path, embedding=embedding)
     trained = trained_aux_layers(path)
@@ -390,7 +390,7 @@ def _load_arm(
 def speedup_target(device: str, dtype: torch.dtype) -> str:
     """The target the speedups were measured on, as promotion gates name it: the device, and the dtype where it is
     not the device's default (a bf16 speedup on CPU says nothing about fp32 serving there)."""
-    from expman.verifier import resolve_dtype
+    from expman.data.verifier import resolve_dtype
 
     suffix = "" if dtype == resolve_dtype("auto", device) else "-" + str(dtype).removeprefix("torch.")
     return f"torch-{device}{suffix}-batch1"
@@ -426,9 +426,9 @@ def evaluate(
     ``plots_dir``; the run logs the same pictures as ``figures/evaluate.png``."""
     from tqdm import tqdm
 
-    from expman.objective import VerifierHead
+    from expman.data.verifier import load_tokenizer, load_verifier, resolve_device, resolve_dtype
+    from expman.drafter.objective import VerifierHead
     from expman.plots import EVALUATE_FIGURE, evaluation_figure, evaluation_tables, write_tables
-    from expman.verifier import load_tokenizer, load_verifier, resolve_device, resolve_dtype
 
     section: EvaluateParams = params.evaluate
     verifier_manifest = read_manifest(verifier_dir / "manifest.json", "prepare")

@@ -21,18 +21,18 @@ from typing import Any
 
 import torch
 
-from expman.checkpoint import save_speculators
-from expman.conversations import prompt_id
-from expman.drafter import DrafterConfig, Eagle3Drafter
+from expman.data.conversations import prompt_id
+from expman.data.shards import remove_stale_temps
+from expman.drafter.checkpoint import save_speculators
+from expman.drafter.model import DrafterConfig, Eagle3Drafter
+from expman.drafter.objective import Packed, VerifierHead, compiled_ttt_loss, metric_values, simulated_tau, ttt_loss
 from expman.errors import ExpmanError
-from expman.objective import Packed, VerifierHead, compiled_ttt_loss, metric_values, simulated_tau, ttt_loss
-from expman.parallel import DataParallel
 from expman.params import LAUNCH_KEYS, TrainParams
 from expman.plots import TRAIN_FIGURE, train_figure, train_row, write_tables
 from expman.provenance import atomic_write, atomic_write_json, read_manifest, sha256_file, sha256_json, upstream_entry
-from expman.shards import remove_stale_temps
-from expman.tracking import StageRun, stage_run
-from expman.train_data import BatchFeed, SampleRef, ShardReader, batch_plan, index_samples, split_samples
+from expman.registry.tracking import StageRun, stage_run
+from expman.training.batches import BatchFeed, SampleRef, ShardReader, batch_plan, index_samples, split_samples
+from expman.training.parallel import DataParallel
 
 __all__ = ["new_optimizer", "train", "training_step"]
 
@@ -189,7 +189,7 @@ def incompatibilities(source: Eagle3Drafter, target: Eagle3Drafter) -> list[str]
 
 def start_from(drafter: Eagle3Drafter, section: TrainParams, head: VerifierHead) -> Eagle3Drafter:
     """Load ``train.finetune_from`` into ``drafter`` after the compatibility check; refuse naming what differs."""
-    from expman.checkpoint import load_drafter
+    from expman.drafter.checkpoint import load_drafter
 
     if not (Path(section.finetune_from) / "config.json").is_file():
         raise ExpmanError(
@@ -259,7 +259,7 @@ def train(
     ``finish`` step (registration) that runs inside the same MLflow run and adds facts to the manifest."""
     from safetensors.torch import load_file
 
-    from expman.verifier import resolve_device
+    from expman.data.verifier import resolve_device
 
     manifests = {
         "prepare": (verifier_dir / "manifest.json", read_manifest(verifier_dir / "manifest.json", "prepare")),
@@ -350,7 +350,7 @@ def train(
 
 
 def _feed(reader: ShardReader, plan: list[list[SampleRef]], section: TrainParams, device: str, pad_to=None):
-    """The packed batches of ``plan`` in order, read and packed off this thread (see ``expman.train_data``)."""
+    """The packed batches of ``plan`` in order, read and packed off this thread (see ``expman.training.batches``)."""
     return BatchFeed(
         reader, plan, section.max_tokens, device, pad_to, prefetch=section.prefetch, resident=2 * section.shard_window
     )

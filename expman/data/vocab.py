@@ -12,11 +12,11 @@ import math
 from pathlib import Path
 from typing import Any
 
+from expman.data.generate import read_responses
 from expman.errors import ExpmanError
-from expman.generate import read_responses
 from expman.params import Params
 from expman.provenance import atomic_write, atomic_write_json, read_manifest, upstream_entry
-from expman.tracking import stage_run
+from expman.registry.tracking import stage_run
 
 __all__ = ["build_vocab", "draft_vocab_size", "token_counts", "vocab"]
 

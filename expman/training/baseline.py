@@ -15,7 +15,7 @@ from typing import Any
 from expman.errors import ExpmanError
 from expman.params import Params
 from expman.provenance import atomic_write_json, read_manifest, sha256_file, upstream_entry
-from expman.tracking import StageRun, stage_run
+from expman.registry.tracking import StageRun, stage_run
 
 __all__ = ["baseline"]
 
@@ -23,7 +23,7 @@ __all__ = ["baseline"]
 def _registrar(verifier_manifest: dict[str, Any], contract: dict[str, Any] | None, extra: dict[str, str]):
     """The finish step: register ``folder`` with alias ``baseline`` inside the stage's run, tagged with ``extra``
     besides its role and contract."""
-    from expman.registry import contract_tags, register_drafter, registered_model_name
+    from expman.registry.versions import contract_tags, register_drafter, registered_model_name
 
     def finish(run: StageRun, folder: Path) -> dict[str, Any]:
         name = registered_model_name(verifier_manifest)
@@ -35,9 +35,9 @@ def _registrar(verifier_manifest: dict[str, Any], contract: dict[str, Any] | Non
 
 
 def _import(params: Params, verifier_dir: Path, extract_dir: Path, out_dir: Path, metrics_path: Path) -> dict[str, Any]:
-    from expman.checkpoint import load_drafter, read_config, save_speculators
-    from expman.objective import VerifierHead
-    from expman.registry import norm_tags
+    from expman.drafter.checkpoint import load_drafter, read_config, save_speculators
+    from expman.drafter.objective import VerifierHead
+    from expman.registry.versions import norm_tags
 
     section = params.baseline
     verifier_manifest = read_manifest(verifier_dir / "manifest.json", "prepare")
@@ -80,7 +80,7 @@ def baseline(
     section = params.baseline
     if section.source != "train":
         return _import(params, verifier_dir, extract_dir, out_dir, metrics_path)
-    from expman.train import train
+    from expman.training.train import train
 
     verifier_manifest = read_manifest(verifier_dir / "manifest.json", "prepare")
     contract = read_manifest(extract_dir / "manifest.json", "extract")["contract"]
