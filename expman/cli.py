@@ -80,7 +80,7 @@ def compare(refs: tuple[str, ...], model: str | None, baseline: str | None, k: i
     per-position rates and speedup, each with its delta and a bootstrap 95% CI over prompts."""
     from expman.registry.compare import compare as build_report
     from expman.registry.compare import render_json, render_markdown, render_text
-    from expman.registry.tracking import open_registry
+    from expman.registry.reader import open_registry
 
     with user_errors():
         report = build_report(open_registry(), refs, model, baseline, k)
@@ -102,7 +102,7 @@ def promote(model: str, version: str, alias: str, force: bool, reason: str | Non
     from expman.params import PromoteParams, load_params
     from expman.registry.promote import promote as run_promotion
     from expman.registry.promote import render_gates
-    from expman.registry.tracking import open_registry
+    from expman.registry.reader import open_registry
 
     with user_errors():
         if params_file is None and not Path("params.yaml").is_file():
@@ -146,7 +146,7 @@ def export(version: str, model: str | None, out_format: str, out: str, conventio
     """Write a registered VERSION (number, @alias or run id) as a speculators or EAGLE checkpoint folder."""
     from pathlib import Path
 
-    from expman.registry.tracking import open_registry
+    from expman.registry.reader import open_registry
     from expman.registry.versions import export_version
 
     with user_errors():

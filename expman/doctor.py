@@ -294,7 +294,7 @@ def _checkpoint_differences(folder: Path, contract: dict[str, Any]) -> list[str]
 def _registry_findings(model: str, contract: dict[str, Any]) -> tuple[list[Finding], list[str]]:
     """The registered baseline, candidate and champion of ``model``: their ``expman.contract.*`` tags; and the
     versions read."""
-    from expman.registry.tracking import open_registry
+    from expman.registry.reader import open_registry
     from expman.registry.versions import ALIASES
 
     try:

@@ -239,7 +239,7 @@ def test_baseline_train_and_evaluate_stages_on_the_tiny_project(project: Path) -
     from expman import paths
     from expman.evaluation.evaluate import evaluate
     from expman.params import load_params
-    from expman.registry.tracking import open_registry
+    from expman.registry.reader import open_registry
     from expman.training.baseline import baseline
     from expman.training.train import train
     from tests.test_pipeline import run_until

@@ -19,8 +19,9 @@ from expman.errors import ExpmanError
 from expman.params import RegisterParams
 from expman.plots import train_row, write_tables
 from expman.provenance import sha256_file
+from expman.registry.reader import open_registry
 from expman.registry.register import register
-from expman.registry.tracking import download_version, open_registry
+from expman.registry.tracking import download_version
 from expman.registry.versions import verifier_slug
 from tests.registry_fixtures import add_version, log_evaluation, synthetic_evaluation, tiny_checkpoint, use_store
 from tests.test_checkpoint import _logits, _vocab

@@ -156,7 +156,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path
 def test_credentials_in_an_http_tracking_uri_show_nowhere(
     project: Path, server: tuple[str, Path], capfd: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from expman.registry.tracking import open_registry
+    from expman.registry.reader import open_registry
 
     url, folder = server
     secret = f"pw-{secrets.token_hex(8)}"

@@ -63,6 +63,22 @@ def test_no_import_circle() -> None:
         visit(module, [])
 
 
+def test_one_module_talks_to_mlflow_and_one_to_vllm() -> None:
+    """MLflow runs and registry writes live in registry/tracking.py (the registry reader talks SQL and REST);
+    vLLM lives in engines/vllm.py."""
+    owners = {"mlflow": {"expman/registry/tracking.py"}, "vllm": {"expman/engines/vllm.py"}}
+    found: dict[str, set[str]] = {package: set() for package in owners}
+    for path in (REPO / "expman").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            modules = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom):
+                modules = [node.module or ""]
+            for package in owners:
+                if any(m.split(".")[0] == package for m in modules):
+                    found[package].add(str(path.relative_to(REPO)))
+    assert found == owners
+
+
 def test_dvc_outputs_are_the_library_paths() -> None:
     graph = yaml.safe_load((REPO / "dvc.yaml").read_text())
     stages = graph["stages"]

@@ -58,7 +58,8 @@ def member(index: int, drafter: str, evaluate_run: str, barrier: Any, out: Path)
     ``candidate``, then force-promote that version to ``champion``; write the moves it saw succeed to ``out``."""
     from expman.params import PromoteParams
     from expman.registry.promote import promote
-    from expman.registry.tracking import open_registry, stage_run
+    from expman.registry.reader import open_registry
+    from expman.registry.tracking import stage_run
     from expman.registry.versions import register_drafter
 
     barrier.wait()
@@ -177,7 +178,7 @@ def test_every_promotion_left_its_audit_tags(team: Team) -> None:
 
 
 def test_expman_readers_see_what_mlflow_sees(team: Team, monkeypatch: pytest.MonkeyPatch) -> None:
-    from expman.registry.tracking import VersionRecord, open_registry
+    from expman.registry.reader import VersionRecord, open_registry
 
     client = _client(team)
     expected = []

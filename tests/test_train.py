@@ -389,7 +389,7 @@ def test_an_eagle_baseline_without_norm_before_residual_imports_as_the_engines_r
     """An AQ-MedAI-style EAGLE baseline (no norm_before_residual, no recorded convention): imported as False, the
     value vLLM and SGLang read for that format, written out and recorded on the registered version."""
     from expman.drafter.checkpoint import export_eagle
-    from expman.registry.tracking import open_registry
+    from expman.registry.reader import open_registry
     from expman.training.baseline import baseline
 
     run_until("vocab")

@@ -25,8 +25,9 @@ from typing import Any
 from expman.errors import ExpmanError
 from expman.params import PromoteParams
 from expman.registry.compare import compare
+from expman.registry.reader import RegistryReader, VersionRecord
 from expman.registry.tables import text_table
-from expman.registry.tracking import RegistryReader, VersionRecord, set_alias, set_version_tags
+from expman.registry.tracking import set_alias, set_version_tags
 from expman.registry.versions import INTEGRATION_FAULT_TAG, check_alias, resolve_model, resolve_version
 
 __all__ = ["Gate", "evaluate_gates", "promote", "render_gates"]

@@ -20,7 +20,8 @@ from expman.errors import ExpmanError
 from expman.params import RegisterParams
 from expman.provenance import read_manifest, sha256_file, upstream_entry
 from expman.registry.compare import compare, render_markdown, summary_metrics
-from expman.registry.tracking import StageRun, lineage_tags, open_registry, set_version_description, stage_run
+from expman.registry.reader import open_registry
+from expman.registry.tracking import StageRun, lineage_tags, set_version_description, stage_run
 from expman.registry.versions import INTEGRATION_FAULT_TAG, contract_tags, register_drafter, registered_model_name
 
 __all__ = ["describe", "engine_tags", "register"]

@@ -22,16 +22,8 @@ from typing import Any
 
 from expman.errors import ExpmanError
 from expman.provenance import atomic_dir, git_sha, sha256_file
-from expman.registry.tracking import (
-    RegistryReader,
-    StageRun,
-    VersionRecord,
-    download_version,
-    lineage_tags,
-    register_version,
-    set_alias,
-    stage_run,
-)
+from expman.registry.reader import RegistryReader, VersionRecord
+from expman.registry.tracking import StageRun, download_version, lineage_tags, register_version, set_alias, stage_run
 
 __all__ = [
     "ALIASES",
