@@ -34,6 +34,7 @@ from expman import paths
 from expman.data.generate import read_responses
 from expman.evaluation.evaluate import evaluate, select_prompts
 from expman.params import Params, load_params
+from expman.paths import BenchmarkPaths, EvaluatePaths, TrainPaths
 from expman.provenance import package_versions, read_manifest
 
 
@@ -61,28 +62,34 @@ def _scratch(params: Params, folder: Path) -> dict[str, Any]:
 
     section = params.train.model_copy(update={"finetune_from": None})
     started = time.perf_counter()
-    train(
-        section,
+    where = TrainPaths(
         paths.VERIFIER,
         paths.EXTRACT,
         paths.VOCAB,
         folder / "drafter",
         folder / ".train-state",
         folder / "train.json",
+        None,
     )
+    train(section, where)
     train_s = time.perf_counter() - started
     alone = params.model_copy(update={"evaluate": params.evaluate.model_copy(update={"baseline": None})})
     evaluate(
         alone,
-        paths.VERIFIER,
-        paths.GENERATED,
-        folder / "drafter",
-        folder / "evaluate",
-        folder / "evaluate.json",
-        folder / "plots",
+        EvaluatePaths(
+            paths.VERIFIER,
+            paths.GENERATED,
+            folder / "drafter",
+            folder / "evaluate",
+            folder / "evaluate.json",
+            folder / "plots",
+        ),
     )
     benchmark(
-        alone, paths.VERIFIER, paths.GENERATED, folder / "evaluate", folder / "benchmark", folder / "benchmark.json"
+        alone,
+        BenchmarkPaths(
+            paths.VERIFIER, paths.GENERATED, folder / "evaluate", folder / "benchmark", folder / "benchmark.json"
+        ),
     )
     return {"train_s": train_s}
 

@@ -38,6 +38,7 @@ from train_throughput import measure, run_peer
 from expman.data.extract import save_streamed
 from expman.data.shards import ShardSet
 from expman.params import TrainParams
+from expman.paths import TrainPaths
 from expman.provenance import atomic_write_json, package_versions, sha256_json
 
 DRAFT_VOCAB = {"cuda": 32000, "cpu": 8192}
@@ -170,15 +171,16 @@ def run_stage(root: Path, section: TrainParams) -> dict:
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         started = time.perf_counter()
-        manifest = train(
-            section,
+        where = TrainPaths(
             root / "verifier",
             root / "extract",
             root / "vocab",
             root / "drafter",
             root / "state",
             root / "metrics.json",
+            None,
         )
+        manifest = train(section, where)
         seconds = time.perf_counter() - started
     finally:
         os.chdir(here)

@@ -18,6 +18,7 @@ from expman import paths
 from expman.errors import ExpmanError
 from expman.evaluation.benchmark import benchmark, contract_mismatch
 from expman.params import load_params
+from expman.paths import BenchmarkPaths, EvaluatePaths, TrainPaths
 from tests.test_dvc import REPO, _run, make_dvc_project
 
 
@@ -38,21 +39,9 @@ def _trained_project(project: Path) -> None:
 
     run_until("vocab")
     params = load_params("params.yaml")
-    baseline(
-        params, paths.VERIFIER, paths.EXTRACT, paths.VOCAB, paths.BASELINE, paths.BASELINE_STATE, paths.BASELINE_METRICS
-    )
-    train(
-        params.train, paths.VERIFIER, paths.EXTRACT, paths.VOCAB, paths.DRAFTER, paths.TRAIN_STATE, paths.TRAIN_METRICS
-    )
-    evaluate(
-        params,
-        paths.VERIFIER,
-        paths.GENERATED,
-        paths.DRAFTER,
-        paths.EVALUATE,
-        paths.EVALUATE_METRICS,
-        paths.EVALUATE_PLOTS,
-    )
+    baseline(params, TrainPaths.baseline())
+    train(params.train, TrainPaths.default())
+    evaluate(params, EvaluatePaths.default())
 
 
 def test_a_shifted_export_is_flagged_and_the_reference_keeps_the_trained_layers(project: Path) -> None:
@@ -65,28 +54,13 @@ def test_a_shifted_export_is_flagged_and_the_reference_keeps_the_trained_layers(
 
     from expman.evaluation.evaluate import evaluate
 
-    evaluate(
-        load_params("params.yaml"),
-        paths.VERIFIER,
-        paths.GENERATED,
-        paths.DRAFTER,
-        paths.EVALUATE,
-        paths.EVALUATE_METRICS,
-        paths.EVALUATE_PLOTS,
-    )
+    evaluate(load_params("params.yaml"), EvaluatePaths.default())
     evaluation = json.loads((project / paths.EVALUATE / "evaluation.json").read_text())
     assert evaluation["arms"]["candidate"]["aux_layers"] == contract  # the reference measures the drafter itself
 
 
 def _run_benchmark() -> dict:
-    return benchmark(
-        load_params("params.yaml"),
-        paths.VERIFIER,
-        paths.GENERATED,
-        paths.EVALUATE,
-        paths.BENCHMARK,
-        paths.BENCHMARK_METRICS,
-    )
+    return benchmark(load_params("params.yaml"), BenchmarkPaths.default())
 
 
 def test_engine_none_is_recorded_as_not_measured(project: Path) -> None:

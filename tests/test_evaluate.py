@@ -239,6 +239,7 @@ def test_baseline_train_and_evaluate_stages_on_the_tiny_project(project: Path) -
     from expman import paths
     from expman.evaluation.evaluate import evaluate
     from expman.params import load_params
+    from expman.paths import EvaluatePaths, TrainPaths
     from expman.registry.reader import open_registry
     from expman.training.baseline import baseline
     from expman.training.train import train
@@ -249,27 +250,15 @@ def test_baseline_train_and_evaluate_stages_on_the_tiny_project(project: Path) -
     params["train"]["finetune_from"] = "models/baseline"
     (project / "params.yaml").write_text(yaml.safe_dump(params))
     loaded = load_params("params.yaml")
-    made = baseline(
-        loaded, paths.VERIFIER, paths.EXTRACT, paths.VOCAB, paths.BASELINE, paths.BASELINE_STATE, paths.BASELINE_METRICS
-    )
+    made = baseline(loaded, TrainPaths.baseline())
     assert made["registered"]["alias"] == "baseline"
     assert open_registry().alias(made["registered"]["name"], "baseline") == made["registered"]["version"]
     base = json.loads((project / paths.BASELINE_METRICS).read_text())
-    trained = train(
-        loaded.train, paths.VERIFIER, paths.EXTRACT, paths.VOCAB, paths.DRAFTER, paths.TRAIN_STATE, paths.TRAIN_METRICS
-    )
+    trained = train(loaded.train, TrainPaths.default())
     assert trained["metrics"]["train_samples"] > base["train_samples"]  # the baseline saw a share of the samples
     assert trained["provenance"]["upstream"]["finetune_from"]["manifest"] == "models/baseline"
 
-    manifest = evaluate(
-        loaded,
-        paths.VERIFIER,
-        paths.GENERATED,
-        paths.DRAFTER,
-        paths.EVALUATE,
-        paths.EVALUATE_METRICS,
-        paths.EVALUATE_PLOTS,
-    )
+    manifest = evaluate(loaded, EvaluatePaths.default())
     evaluation = json.loads((project / paths.EVALUATE / "evaluation.json").read_text())
     assert set(evaluation["arms"]) == {"baseline", "candidate"}
     assert len(evaluation["prompts"]) == 4 and manifest["prompts"] == 4

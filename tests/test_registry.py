@@ -17,6 +17,7 @@ from expman.cli import main
 from expman.drafter.checkpoint import export_eagle, load_drafter, read_checkpoint
 from expman.errors import ExpmanError
 from expman.params import RegisterParams
+from expman.paths import RegisterPaths
 from expman.plots import train_row, write_tables
 from expman.provenance import sha256_file
 from expman.registry.reader import open_registry
@@ -120,16 +121,7 @@ def _benchmark(root: Path, fault_reason: str | None) -> None:
 
 
 def _register() -> dict:
-    return register(
-        RegisterParams(),
-        paths.DRAFTER,
-        paths.EVALUATE,
-        paths.BENCHMARK,
-        paths.VERIFIER,
-        paths.VOCAB,
-        paths.TRAIN_PLOTS,
-        paths.REGISTERED,
-    )
+    return register(RegisterParams(), RegisterPaths.default())
 
 
 def _pooled_tau(result: dict, k: int) -> float:

@@ -18,6 +18,7 @@ from expman.drafter.checkpoint import load_drafter
 from expman.drafter.objective import VerifierHead
 from expman.errors import ExpmanError
 from expman.params import load_params
+from expman.paths import TrainPaths
 from expman.plots import read_table
 from expman.training import train as train_module
 from expman.training.train import train
@@ -25,16 +26,7 @@ from tests.test_pipeline import run_until
 
 
 def run_train() -> dict:
-    return train(
-        load_params("params.yaml").train,
-        paths.VERIFIER,
-        paths.EXTRACT,
-        paths.VOCAB,
-        paths.DRAFTER,
-        paths.TRAIN_STATE,
-        paths.TRAIN_METRICS,
-        curves=paths.TRAIN_PLOTS,
-    )
+    return train(load_params("params.yaml").train, TrainPaths.default())
 
 
 def test_train_outputs_and_curves(project: Path) -> None:
@@ -403,15 +395,7 @@ def test_an_eagle_baseline_without_norm_before_residual_imports_as_the_engines_r
     (project / "aq/config.json").write_text(json.dumps(config))
     params["baseline"].update(source="aq", layer_convention="vllm")
     (project / "params.yaml").write_text(yaml.safe_dump(params))
-    made = baseline(
-        load_params("params.yaml"),
-        paths.VERIFIER,
-        paths.EXTRACT,
-        paths.VOCAB,
-        paths.BASELINE,
-        paths.BASELINE_STATE,
-        paths.BASELINE_METRICS,
-    )
+    made = baseline(load_params("params.yaml"), TrainPaths.baseline())
     assert json.loads((project / paths.BASELINE / "config.json").read_text())["norm_before_residual"] is False
     tags = open_registry().version(made["registered"]["name"], made["registered"]["version"]).tags
     assert tags["expman.import.norm_before_residual"] == "false"

@@ -30,6 +30,7 @@ from expman.data.generate import read_responses
 from expman.drafter.model import Eagle3Drafter
 from expman.errors import ExpmanError
 from expman.params import EvaluateParams, Params
+from expman.paths import EvaluatePaths
 from expman.provenance import atomic_write_json, read_manifest, sha256_file, upstream_entry
 from expman.registry.tracking import stage_run
 
@@ -412,86 +413,102 @@ def _arm_row(
     }
 
 
-def evaluate(
-    params: Params,
-    verifier_dir: Path,
-    generated_dir: Path,
-    drafter_dir: Path,
-    out_dir: Path,
-    metrics_path: Path,
-    plots_dir: Path,
-) -> dict[str, Any]:
-    """Run the three arms on the held-out prompts; write ``evaluation.json`` (per-prompt results + summary) and
-    ``manifest.json`` to ``out_dir``, the summary to ``metrics_path`` and its tables for ``dvc plots`` to
-    ``plots_dir``; the run logs the same pictures as ``figures/evaluate.png``."""
+def _read_inputs(section: EvaluateParams, where: EvaluatePaths) -> tuple[dict, list[dict], dict[str, Path], dict]:
+    """The verifier's manifest, the held-out prompts, each drafter arm's folder and the upstream entries."""
+    verifier_manifest = read_manifest(where.verifier / "manifest.json", "prepare")
+    generated_manifest = read_manifest(where.generated / "manifest.json", "generate")
+    if generated_manifest["verifier"] != verifier_manifest["verifier"]:
+        raise ExpmanError(
+            f"{where.generated / 'manifest.json'}: responses come from another verifier than {where.verifier}"
+        )
+    prompts = select_prompts(read_responses(where.generated, section.split), section.max_prompts)
+    if not prompts:
+        raise ExpmanError(
+            f"{where.generated / 'manifest.json'}: no successful {section.split!r} records to evaluate on"
+        )
+    arm_paths = {"candidate": where.drafter}
+    if section.baseline:
+        arm_paths = {"baseline": Path(section.baseline), **arm_paths}
+    upstream = {
+        "prepare": upstream_entry(where.verifier / "manifest.json", verifier_manifest),
+        "generate": upstream_entry(where.generated / "manifest.json", generated_manifest),
+    }
+    for arm, path in arm_paths.items():
+        stage = "train" if arm == "candidate" else "baseline"
+        upstream[arm] = upstream_entry(path / "manifest.json", read_manifest(path / "manifest.json", stage))
+    return verifier_manifest, prompts, arm_paths, upstream
+
+
+def _prompt_row(model, drafters: dict[str, Any], record: dict[str, Any], section: EvaluateParams, eos_ids) -> dict:
+    """One prompt through every arm: plain decoding first (the greedy reference), then each drafter at each k."""
+    temperature, seed, limit = section.temperature, section.seed, section.max_new_tokens
+    prompt_ids = record["input_ids"][: record["prompt_tokens"]]
+    started = time.perf_counter()
+    reference = greedy_decode(model, prompt_ids, limit, eos_ids, temperature, seed)
+    row: dict[str, Any] = {
+        "id": record["id"],
+        "category": record["category"],
+        "nospec": {"tokens": len(reference.tokens), "seconds": time.perf_counter() - started - reference.check_seconds},
+    }
+    for arm, drafter in drafters.items():
+        row[arm] = {}
+        for k in section.ks:
+            started = time.perf_counter()
+            tokens, stats = speculative_decode(model, drafter, prompt_ids, k, limit, eos_ids, temperature, seed)
+            seconds = time.perf_counter() - started
+            row[arm][str(k)] = _arm_row(tokens, stats, seconds, None if temperature else reference)
+    return row
+
+
+def _measure(model, drafters: dict[str, Any], prompts: list[dict], section: EvaluateParams, eos_ids) -> list[dict]:
+    """A warm-up outside the timings, then the prompts one by one, the arms interleaved."""
     from tqdm import tqdm
 
+    first = prompts[0]["input_ids"][: prompts[0]["prompt_tokens"]]
+    greedy_decode(model, first, 8, eos_ids)
+    for drafter in drafters.values():
+        speculative_decode(model, drafter, first, max(section.ks), 8, eos_ids)
+    return [_prompt_row(model, drafters, r, section, eos_ids) for r in tqdm(prompts, desc="evaluate", unit="prompt")]
+
+
+def _flat_metrics(summary: dict[str, Any], arms: Sequence[str]) -> dict[str, float]:
+    """The summary as MLflow metrics: ``<arm>/<k>/<name>``."""
+    flat = {"nospec/tok_per_s": summary["nospec"]["tok_per_s"]}
+    for arm in arms:
+        for key, values in summary[arm].items():
+            flat.update({f"{arm}/{key}/{name}": values[name] for name in ("tau", "acceptance_rate", "speedup")})
+            flat[f"{arm}/{key}/greedy_mismatches"] = values["greedy_mismatches"]
+            flat[f"{arm}/{key}/greedy_tie_flips"] = values["greedy_tie_flips"]
+    return flat
+
+
+def evaluate(params: Params, where: EvaluatePaths) -> dict[str, Any]:
+    """Run the three arms on the held-out prompts; write ``evaluation.json`` (per-prompt results + summary) and
+    ``manifest.json`` to ``where.out``, the summary to ``where.metrics`` and its tables for ``dvc plots`` to
+    ``where.plots``; the run logs the same pictures as ``figures/evaluate.png``."""
     from expman.data.verifier import load_tokenizer, load_verifier, resolve_device, resolve_dtype
     from expman.drafter.objective import VerifierHead
     from expman.plots import EVALUATE_FIGURE, evaluation_figure, evaluation_tables, write_tables
 
     section: EvaluateParams = params.evaluate
-    verifier_manifest = read_manifest(verifier_dir / "manifest.json", "prepare")
-    generated_manifest = read_manifest(generated_dir / "manifest.json", "generate")
-    if generated_manifest["verifier"] != verifier_manifest["verifier"]:
-        raise ExpmanError(
-            f"{generated_dir / 'manifest.json'}: responses come from another verifier than {verifier_dir}"
-        )
-    prompts = select_prompts(read_responses(generated_dir, section.split), section.max_prompts)
-    if not prompts:
-        raise ExpmanError(f"{generated_dir / 'manifest.json'}: no successful {section.split!r} records to evaluate on")
-    arm_paths = {"candidate": drafter_dir}
-    if section.baseline:
-        arm_paths = {"baseline": Path(section.baseline), **arm_paths}
-    upstream = {
-        "prepare": upstream_entry(verifier_dir / "manifest.json", verifier_manifest),
-        "generate": upstream_entry(generated_dir / "manifest.json", generated_manifest),
-    }
-    for arm, path in arm_paths.items():
-        stage = "train" if arm == "candidate" else "baseline"
-        upstream[arm] = upstream_entry(path / "manifest.json", read_manifest(path / "manifest.json", stage))
+    verifier_manifest, prompts, arm_paths, upstream = _read_inputs(section, where)
     device = resolve_device(section.device)
     dtype = resolve_dtype(section.dtype, device)
-    embedding = VerifierHead.load(verifier_dir).embed
+    embedding = VerifierHead.load(where.verifier).embed
     drafters = {
         arm: _load_arm(path, embedding, verifier_manifest["verifier"], device, dtype) for arm, path in arm_paths.items()
     }
-    model = load_verifier(verifier_dir, device, dtype)
-    tokenizer = load_tokenizer(verifier_dir)
+    model = load_verifier(where.verifier, device, dtype)
+    tokenizer = load_tokenizer(where.verifier)
     eos = model.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos]) | {tokenizer.eos_token_id}
-    temperature, seed, limit = section.temperature, section.seed, section.max_new_tokens
-    rows = []
     with stage_run("evaluate", section.model_dump(), upstream) as run:
-        first = prompts[0]["input_ids"][: prompts[0]["prompt_tokens"]]
-        greedy_decode(model, first, 8, eos_ids)  # warm-up outside the timings
-        for drafter in drafters.values():
-            speculative_decode(model, drafter, first, max(section.ks), 8, eos_ids)
-        for record in tqdm(prompts, desc="evaluate", unit="prompt"):
-            prompt_ids = record["input_ids"][: record["prompt_tokens"]]
-            started = time.perf_counter()
-            reference = greedy_decode(model, prompt_ids, limit, eos_ids, temperature, seed)
-            row: dict[str, Any] = {
-                "id": record["id"],
-                "category": record["category"],
-                "nospec": {
-                    "tokens": len(reference.tokens),
-                    "seconds": time.perf_counter() - started - reference.check_seconds,
-                },
-            }
-            for arm, drafter in drafters.items():
-                row[arm] = {}
-                for k in section.ks:
-                    started = time.perf_counter()
-                    tokens, stats = speculative_decode(model, drafter, prompt_ids, k, limit, eos_ids, temperature, seed)
-                    seconds = time.perf_counter() - started
-                    row[arm][str(k)] = _arm_row(tokens, stats, seconds, None if temperature else reference)
-            rows.append(row)
+        rows = _measure(model, drafters, prompts, section, eos_ids)
         summary = summarize(rows, list(drafters), section.ks)
         evaluation = {
             "ks": section.ks,
-            "max_new_tokens": limit,
-            "temperature": temperature,
+            "max_new_tokens": section.max_new_tokens,
+            "temperature": section.temperature,
             "device": device,
             "dtype": str(dtype).removeprefix("torch."),
             "target": speedup_target(device, dtype),
@@ -506,17 +523,11 @@ def evaluate(
             "prompts": rows,
             "summary": summary,
         }
-        atomic_write_json(out_dir / "evaluation.json", evaluation)
-        run.log_artifact(out_dir / "evaluation.json")
-        flat = {"nospec/tok_per_s": summary["nospec"]["tok_per_s"]}
-        for arm in drafters:
-            for key, values in summary[arm].items():
-                flat.update({f"{arm}/{key}/{name}": values[name] for name in ("tau", "acceptance_rate", "speedup")})
-                flat[f"{arm}/{key}/greedy_mismatches"] = values["greedy_mismatches"]
-                flat[f"{arm}/{key}/greedy_tie_flips"] = values["greedy_tie_flips"]
-        run.log_metrics(flat)
-        atomic_write_json(metrics_path, {k: v for k, v in summary.items() if k != "by_category"})
-        write_tables(plots_dir, evaluation_tables(evaluation))
+        atomic_write_json(where.out / "evaluation.json", evaluation)
+        run.log_artifact(where.out / "evaluation.json")
+        run.log_metrics(_flat_metrics(summary, list(drafters)))
+        atomic_write_json(where.metrics, {k: v for k, v in summary.items() if k != "by_category"})
+        write_tables(where.plots, evaluation_tables(evaluation))
         run.log_figure(evaluation_figure(evaluation), EVALUATE_FIGURE)
         facts = {"prompts": len(rows), "ks": section.ks, "arms": evaluation["arms"], "summary_file": "evaluation.json"}
-        return run.write_manifest(out_dir / "manifest.json", facts)
+        return run.write_manifest(where.out / "manifest.json", facts)
