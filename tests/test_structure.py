@@ -79,6 +79,27 @@ def test_one_module_talks_to_mlflow_and_one_to_vllm() -> None:
     assert found == owners
 
 
+STAGE_MODULES = (  # where each stage's function lives (stages/<stage>.py calls it)
+    "data/verifier.py",
+    "data/generate.py",
+    "data/extract.py",
+    "data/vocab.py",
+    "training/baseline.py",
+    "training/train.py",
+    "evaluation/evaluate.py",
+    "evaluation/benchmark.py",
+    "registry/register.py",
+)
+
+
+def test_stage_functions_read_as_steps() -> None:
+    """No function of a stage module runs over 60 lines: a stage is a short list of named steps."""
+    for module in STAGE_MODULES:
+        for node in ast.walk(ast.parse((REPO / "expman" / module).read_text())):
+            if isinstance(node, ast.FunctionDef):
+                assert node.end_lineno - node.lineno < 60, f"expman/{module}:{node.lineno} {node.name}"
+
+
 def test_dvc_outputs_are_the_library_paths() -> None:
     graph = yaml.safe_load((REPO / "dvc.yaml").read_text())
     stages = graph["stages"]
@@ -101,6 +122,8 @@ def test_dvc_outputs_are_the_library_paths() -> None:
         preset = {"presets/${preset}.yaml": [stage]}
         assert spec["params"] == [stage, preset], "each stage declares only its own section (and its preset's)"
         assert f"stages/{stage}.py" in spec["deps"]
+        code = [dep for dep in spec["deps"] if dep.startswith("expman/")]
+        assert code and all((REPO / dep).is_file() for dep in code), f"{stage}: {code}"
 
 
 def test_help_does_not_import_heavy_libraries() -> None:

@@ -241,7 +241,8 @@ def _evaluate(drafter, head, reader: ShardReader, batches, section, device) -> d
 @dataclass(frozen=True)
 class _Inputs:
     """What train reads before it builds anything: the three input manifests (checked against each other), the
-    training and validation samples, and the upstream entries its manifest and MLflow run record."""
+    training and validation samples, and the upstream entries its manifest and MLflow run record (the drafter it
+    finetunes from is added once checked)."""
 
     verifier: dict[str, Any]
     extract: dict[str, Any]
@@ -263,11 +264,6 @@ def _read_inputs(section: TrainParams, where: TrainPaths, sample_share: float) -
     if not train_refs:
         raise ExpmanError(f"{where.extract / 'manifest.json'}: no training samples left after the validation split")
     upstream = {name: upstream_entry(path, manifest) for name, (path, manifest) in manifests.items()}
-    if section.finetune_from:
-        upstream["finetune_from"] = {
-            "manifest": section.finetune_from,
-            "manifest_sha256": sha256_file(Path(section.finetune_from) / "model.safetensors"),
-        }
     return _Inputs(manifests["prepare"][1], extract_manifest, train_refs, val_refs, upstream)
 
 
@@ -368,6 +364,11 @@ def train(
     device = resolve_device(section.device)
     parallel = DataParallel.from_env(device, section.fsdp)
     drafter, head = _build_drafter(section, where, inputs.extract["contract"], device, parallel)
+    if section.finetune_from:  # an input too, once start_from has checked it is a drafter
+        inputs.upstream["finetune_from"] = {
+            "manifest": section.finetune_from,
+            "manifest_sha256": sha256_file(Path(section.finetune_from) / "model.safetensors"),
+        }
     plans = _plans(section, inputs.train_refs, parallel)
     optimizer, scheduler = new_optimizer(drafter, section, sum(len(p) for p in plans))
     noise = torch.Generator(device=device).manual_seed(section.seed + parallel.rank)
