@@ -22,8 +22,9 @@ import torch
 from reporting import cpu_name, greedy_equality, write_report
 
 from expman import paths
-from expman.evaluate import evaluate
+from expman.evaluation.evaluate import evaluate
 from expman.params import load_params
+from expman.paths import EvaluatePaths
 from expman.provenance import package_versions
 
 
@@ -47,8 +48,7 @@ def main(dtypes: tuple[str, ...], params_file: Path, work: Path, out: Path | Non
     for dtype in dtypes:
         section = params.evaluate.model_copy(update={"dtype": dtype})
         started = time.perf_counter()
-        evaluate(
-            params.model_copy(update={"evaluate": section}),
+        where = EvaluatePaths(
             paths.VERIFIER,
             paths.GENERATED,
             paths.DRAFTER,
@@ -56,6 +56,7 @@ def main(dtypes: tuple[str, ...], params_file: Path, work: Path, out: Path | Non
             work / dtype / "summary.json",
             work / dtype / "plots",
         )
+        evaluate(params.model_copy(update={"evaluate": section}), where)
         evaluation = json.loads((work / dtype / "evaluation.json").read_text())
         results[dtype] = {
             "seconds": time.perf_counter() - started,

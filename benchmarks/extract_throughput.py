@@ -5,8 +5,8 @@ Arms, all over the same token batches:
   bare     the decoder stack alone (no hooks, nothing kept): the compute ceiling the issue names
   greedy   the decoder stack and the lm_head's argmax in chunks of tokens (no hooks, nothing kept): the compute
            ceiling of what extract computes, since it also keeps the verifier's top-1 for training
-  capture  expman.extract.extract_shard for every shard: hooks and device-to-host copies, nothing written
-  expman   expman.extract.write_shards, the stage's own loop: capture, then safetensors shards written, fsynced
+  capture  expman.data.extract.extract_shard for every shard: hooks and device-to-host copies, nothing written
+  expman   expman.data.extract.write_shards, the stage's own loop: capture, then safetensors shards written, fsynced
            and hashed in background threads while the next shard computes. Its time includes the drain, the
            writes still in flight when the last shard has computed (reported apart as ``expman_drain_s``): a
            fixed cost of about two shards' writes, a larger share of a short run than of a real extraction
@@ -39,11 +39,11 @@ import click
 import torch
 from reporting import SHAPES, cpu_name, write_report
 
-from expman.extract import CaptureHooks, capture_contract, extract_shard, greedy_tokens, write_shards
+from expman.data.extract import CaptureHooks, capture_contract, extract_shard, greedy_tokens, write_shards
+from expman.data.shards import ShardSet
+from expman.data.verifier import load_verifier, resolve_device, resolve_dtype
 from expman.params import ExtractParams
 from expman.provenance import package_versions
-from expman.shards import ShardSet
-from expman.verifier import load_verifier, resolve_device, resolve_dtype
 
 
 def _random_verifier(shape: str) -> torch.nn.Module:

@@ -31,9 +31,10 @@ import click
 from reporting import cpu_name, greedy_equality, write_report
 
 from expman import paths
-from expman.evaluate import evaluate, select_prompts
-from expman.generate import read_responses
+from expman.data.generate import read_responses
+from expman.evaluation.evaluate import evaluate, select_prompts
 from expman.params import Params, load_params
+from expman.paths import BenchmarkPaths, EvaluatePaths, TrainPaths
 from expman.provenance import package_versions, read_manifest
 
 
@@ -56,33 +57,39 @@ def _repro(preset: str) -> dict[str, Any]:
 
 def _scratch(params: Params, folder: Path) -> dict[str, Any]:
     """Train from scratch into ``folder``, then evaluate and benchmark it as the only drafter arm."""
-    from expman.benchmark import benchmark
-    from expman.train import train
+    from expman.evaluation.benchmark import benchmark
+    from expman.training.train import train
 
     section = params.train.model_copy(update={"finetune_from": None})
     started = time.perf_counter()
-    train(
-        section,
+    where = TrainPaths(
         paths.VERIFIER,
         paths.EXTRACT,
         paths.VOCAB,
         folder / "drafter",
         folder / ".train-state",
         folder / "train.json",
+        None,
     )
+    train(section, where)
     train_s = time.perf_counter() - started
     alone = params.model_copy(update={"evaluate": params.evaluate.model_copy(update={"baseline": None})})
     evaluate(
         alone,
-        paths.VERIFIER,
-        paths.GENERATED,
-        folder / "drafter",
-        folder / "evaluate",
-        folder / "evaluate.json",
-        folder / "plots",
+        EvaluatePaths(
+            paths.VERIFIER,
+            paths.GENERATED,
+            folder / "drafter",
+            folder / "evaluate",
+            folder / "evaluate.json",
+            folder / "plots",
+        ),
     )
     benchmark(
-        alone, paths.VERIFIER, paths.GENERATED, folder / "evaluate", folder / "benchmark", folder / "benchmark.json"
+        alone,
+        BenchmarkPaths(
+            paths.VERIFIER, paths.GENERATED, folder / "evaluate", folder / "benchmark", folder / "benchmark.json"
+        ),
     )
     return {"train_s": train_s}
 

@@ -25,10 +25,11 @@ import yaml
 from reporting import cpu_name, write_report
 
 from expman import paths
-from expman.extract import extract
+from expman.data.extract import extract
+from expman.data.vocab import vocab
 from expman.params import Params, load_params
-from expman.train import train
-from expman.vocab import vocab
+from expman.paths import ExtractPaths, TrainPaths, VocabPaths
+from expman.training.train import train
 
 
 def _with_changes(params: Params, changes: dict[str, Any]) -> Params:
@@ -67,20 +68,23 @@ def main(name: str, changes: dict[str, Any], sample_share: float, params_file: s
     vocab_dir, extract_dir = paths.VOCAB, paths.EXTRACT
     if any(key.startswith("vocab.") for key in changes):
         vocab_dir = folder / "vocab"
-        vocab(params, paths.GENERATED, vocab_dir)
+        vocab(params, VocabPaths(paths.GENERATED, vocab_dir))
     if any(key.startswith("extract.") for key in changes):
         extract_dir = folder / "extract"
         params = _with_changes(params, {"extract.shard_dir": str(extract_dir / "shards")})
-        extract(params, paths.VERIFIER, paths.GENERATED, extract_dir)
+        extract(params, ExtractPaths(paths.VERIFIER, paths.GENERATED, extract_dir))
     started = time.perf_counter()
     train(
         params.train,
-        paths.VERIFIER,
-        extract_dir,
-        vocab_dir,
-        folder / "drafter",
-        folder / ".train-state",
-        folder / "train.json",
+        TrainPaths(
+            paths.VERIFIER,
+            extract_dir,
+            vocab_dir,
+            folder / "drafter",
+            folder / ".train-state",
+            folder / "train.json",
+            None,
+        ),
         stage=f"screen-{name}",
         sample_share=sample_share,
     )

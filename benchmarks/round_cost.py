@@ -2,11 +2,11 @@
 
 The evaluator's speedup is tau / (round cost / plain step): a round is the drafter's k steps plus one verifier
 forward over k + 1 tokens plus the drafter's cache extension. This times those parts with the evaluator's own
-classes (``expman.evaluate.VerifierSession`` and ``DrafterSession``) on a verifier shape with random weights (the
-cost does not depend on the weights), after a context of ``--context`` tokens, for each ``--dtype`` (of verifier
-and drafter alike, as in the evaluator), the parts in a round's order (draft, verify, extend). It reports each
-part in ms, the round cost per k as a multiple of the plain step (the tau that k needs to break even), and the tau
-that k needs for a speedup of 1.3 (the quality goal).
+classes (``expman.evaluation.evaluate.VerifierSession`` and ``DrafterSession``) on a verifier shape with random weights
+(the cost does not depend on the weights), after a context of ``--context`` tokens, for each ``--dtype`` (of verifier
+and drafter alike, as in the evaluator), the parts in a round's order (draft, verify, extend). It reports each part in
+ms, the round cost per k as a multiple of the plain step (the tau that k needs to break even), and the tau that k needs
+for a speedup of 1.3 (the quality goal).
 
   python benchmarks/round_cost.py --out benchmarks/results/round_cost_cpu.json
 """
@@ -23,9 +23,9 @@ import click
 import torch
 from reporting import SHAPES, cpu_name, write_report
 
-from expman.drafter import DrafterConfig, Eagle3Drafter
-from expman.evaluate import DrafterSession, VerifierSession
-from expman.extract import default_aux_layers
+from expman.data.extract import default_aux_layers
+from expman.drafter.model import DrafterConfig, Eagle3Drafter
+from expman.evaluation.evaluate import DrafterSession, VerifierSession
 from expman.provenance import package_versions
 
 

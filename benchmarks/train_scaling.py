@@ -1,4 +1,4 @@
-"""Data-parallel scaling of the train stage's step: N GPUs under torchrun (NCCL all-reduce, expman.parallel)
+"""Data-parallel scaling of the train stage's step: N GPUs under torchrun (NCCL all-reduce, expman.training.parallel)
 against one GPU at the same global batch.
 
   python benchmarks/train_scaling.py --gpus 2 --out benchmarks/results/train_scaling_h200x2.json
@@ -28,10 +28,10 @@ import torch
 from reporting import SHAPES, write_report
 from train_throughput import random_batch, random_drafter
 
-from expman.parallel import DataParallel
 from expman.params import TrainParams
 from expman.provenance import package_versions
-from expman.train import new_optimizer, training_step
+from expman.training.parallel import DataParallel
+from expman.training.train import new_optimizer, training_step
 
 
 def _worker(

@@ -1,5 +1,5 @@
-"""Throughput of the train *stage*, not the step: ``expman.train.train`` itself (the real MLflow run on a sqlite
-file, the real shard reads, checksums, packing and copies of its data pipeline, resume state) over shards written
+"""Throughput of the train *stage*, not the step: ``expman.training.train.train`` itself (the real MLflow run on a
+sqlite file, the real shard reads, checksums, packing and copies of its data pipeline, resume state) over shards written
 to disk by extract's own writer, next to the bare step on batches already on the device and the peer's step.
 
 The features are random verifier states at a harness shape (no 8B or 1T verifier here), stored exactly as extract
@@ -35,10 +35,11 @@ import torch
 from reporting import SHAPES, cpu_flags, cpu_name, write_report
 from train_throughput import measure, run_peer
 
-from expman.extract import save_streamed
+from expman.data.extract import save_streamed
+from expman.data.shards import ShardSet
 from expman.params import TrainParams
+from expman.paths import TrainPaths
 from expman.provenance import atomic_write_json, package_versions, sha256_json
-from expman.shards import ShardSet
 
 DRAFT_VOCAB = {"cuda": 32000, "cpu": 8192}
 """The peer harness's draft vocab on GPU; the default graph's (vocab.draft_vocab_size) on the CPU."""
@@ -130,7 +131,7 @@ def read_rates(root: Path) -> dict:
     (the disk), then the feed's own first read (sha256 against the manifest, then the tensors)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from expman.train_data import ShardReader, reader_threads
+    from expman.training.batches import ShardReader, reader_threads
 
     manifest = json.loads((root / "extract/manifest.json").read_text())
     total = sum(entry["bytes"] for entry in manifest["shards"])
@@ -161,7 +162,7 @@ def run_stage(root: Path, section: TrainParams) -> dict:
     """``train()`` in ``root`` (MLflow on root/mlflow.db); the per-epoch rates it logged, read back from MLflow."""
     from mlflow import MlflowClient
 
-    from expman.train import train
+    from expman.training.train import train
 
     here = Path.cwd()
     os.chdir(root)
@@ -170,15 +171,16 @@ def run_stage(root: Path, section: TrainParams) -> dict:
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         started = time.perf_counter()
-        manifest = train(
-            section,
+        where = TrainPaths(
             root / "verifier",
             root / "extract",
             root / "vocab",
             root / "drafter",
             root / "state",
             root / "metrics.json",
+            None,
         )
+        manifest = train(section, where)
         seconds = time.perf_counter() - started
     finally:
         os.chdir(here)

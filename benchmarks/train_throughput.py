@@ -1,5 +1,5 @@
-"""Training throughput of expman's real training step (``expman.train.training_step``: TTT loss, backward,
-clip, AdamW, schedule; on CUDA the same compiled loss and flex attention as ``expman.train.train``) at a
+"""Training throughput of expman's real training step (``expman.training.train.training_step``: TTT loss, backward,
+clip, AdamW, schedule; on CUDA the same compiled loss and flex attention as ``expman.training.train.train``) at a
 verifier's drafter shape, on random features.
 
 CPU default: SmolLM2-135M-Instruct's shape, TTT 3, 1024-token batches of 256-token documents, float32.
@@ -34,13 +34,13 @@ import click
 import torch
 from reporting import SHAPES, cpu_name, write_report
 
-from expman.drafter import DrafterConfig, Eagle3Drafter
-from expman.extract import default_aux_layers
-from expman.objective import Packed, VerifierHead
+from expman.data.extract import default_aux_layers
+from expman.data.verifier import resolve_device
+from expman.drafter.model import DrafterConfig, Eagle3Drafter
+from expman.drafter.objective import Packed, VerifierHead
 from expman.params import TrainParams
 from expman.provenance import package_versions
-from expman.train import autocasts, compiles, new_optimizer, training_step
-from expman.verifier import resolve_device
+from expman.training.train import autocasts, compiles, new_optimizer, training_step
 
 PEAK_BF16_FLOPS = 790e12
 """Dense bf16 matmul rate on random data measured on one H200 (the peer harness's PEAK)."""

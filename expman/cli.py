@@ -62,7 +62,7 @@ def doctor(params_file: str, as_json: bool) -> None:
 @click.option("--port", default=5000, show_default=True, type=int)
 def ui(host: str, port: int) -> None:
     """Start the MLflow UI on the project's tracking store (MLFLOW_TRACKING_URI or ./mlflow.db)."""
-    from expman.tracking import serve_ui
+    from expman.registry.tracking import serve_ui
 
     with user_errors():
         serve_ui(host, port)
@@ -78,9 +78,9 @@ def ui(host: str, port: int) -> None:
 def compare(refs: tuple[str, ...], model: str | None, baseline: str | None, k: int | None, output: str | None) -> None:
     """Compare drafter versions (number, @alias or run id; default @candidate) with the baseline: tau, acceptance,
     per-position rates and speedup, each with its delta and a bootstrap 95% CI over prompts."""
-    from expman.compare import compare as build_report
-    from expman.compare import render_json, render_markdown, render_text
-    from expman.tracking import open_registry
+    from expman.registry.compare import compare as build_report
+    from expman.registry.compare import render_json, render_markdown, render_text
+    from expman.registry.reader import open_registry
 
     with user_errors():
         report = build_report(open_registry(), refs, model, baseline, k)
@@ -100,9 +100,9 @@ def promote(model: str, version: str, alias: str, force: bool, reason: str | Non
     from pathlib import Path
 
     from expman.params import PromoteParams, load_params
-    from expman.promote import promote as run_promotion
-    from expman.promote import render_gates
-    from expman.tracking import open_registry
+    from expman.registry.promote import promote as run_promotion
+    from expman.registry.promote import render_gates
+    from expman.registry.reader import open_registry
 
     with user_errors():
         if params_file is None and not Path("params.yaml").is_file():
@@ -129,7 +129,7 @@ def import_(path: str, name: str, alias: str | None, layer_convention: str | Non
     """Validate a drafter folder (speculators or EAGLE format) and register it as a new version of NAME."""
     from pathlib import Path
 
-    from expman.registry import import_drafter
+    from expman.registry.versions import import_drafter
 
     with user_errors():
         version = import_drafter(Path(path), name, alias, layer_convention)
@@ -146,8 +146,8 @@ def export(version: str, model: str | None, out_format: str, out: str, conventio
     """Write a registered VERSION (number, @alias or run id) as a speculators or EAGLE checkpoint folder."""
     from pathlib import Path
 
-    from expman.registry import export_version
-    from expman.tracking import open_registry
+    from expman.registry.reader import open_registry
+    from expman.registry.versions import export_version
 
     with user_errors():
         exported = export_version(open_registry(), model, version, out_format, Path(out), convention)
@@ -159,7 +159,7 @@ def export(version: str, model: str | None, out_format: str, out: str, conventio
 @click.option("--json", "as_json", is_flag=True, help="print JSON")
 def runs(limit: int, as_json: bool) -> None:
     """Recent stage runs (stage, status, start, run id, key metrics) and registered versions with their aliases."""
-    from expman.runs import list_runs, render_runs
+    from expman.registry.runs import list_runs, render_runs
 
     with user_errors():
         listing = list_runs(limit)

@@ -294,8 +294,8 @@ def _checkpoint_differences(folder: Path, contract: dict[str, Any]) -> list[str]
 def _registry_findings(model: str, contract: dict[str, Any]) -> tuple[list[Finding], list[str]]:
     """The registered baseline, candidate and champion of ``model``: their ``expman.contract.*`` tags; and the
     versions read."""
-    from expman.registry import ALIASES
-    from expman.tracking import open_registry
+    from expman.registry.reader import open_registry
+    from expman.registry.versions import ALIASES
 
     try:
         reader = open_registry()
@@ -428,7 +428,7 @@ def check_versions(params: Params | None) -> list[Finding]:
 
 def _model_name(params: Params | None) -> str | None:
     """The registered model the project writes: register.model_name, else eagle3-<slug of the verifier source>."""
-    from expman.registry import MODEL_PREFIX, verifier_slug
+    from expman.registry.versions import MODEL_PREFIX, verifier_slug
 
     if params is not None and params.register_.model_name != "auto":
         return params.register_.model_name

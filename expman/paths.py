@@ -1,5 +1,12 @@
-"""Where each stage writes, relative to the project root; dvc.yaml declares the same paths (a test checks)."""
+"""Where each stage writes, relative to the project root; dvc.yaml declares the same paths (a test checks).
 
+Each stage function takes one ``<Stage>Paths`` object for its inputs and outputs; ``default()`` is the project's
+layout below, which the stage scripts pass (tests and benchmarks point fields elsewhere with ``dataclasses.replace``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = [
@@ -8,18 +15,25 @@ __all__ = [
     "BASELINE_STATE",
     "BENCHMARK",
     "BENCHMARK_METRICS",
+    "BenchmarkPaths",
     "DRAFTER",
     "EVALUATE",
     "EVALUATE_METRICS",
     "EVALUATE_PLOTS",
     "EXTRACT",
+    "EvaluatePaths",
+    "ExtractPaths",
     "GENERATED",
+    "GeneratePaths",
     "REGISTERED",
+    "RegisterPaths",
     "TRAIN_METRICS",
     "TRAIN_PLOTS",
     "TRAIN_STATE",
+    "TrainPaths",
     "VERIFIER",
     "VOCAB",
+    "VocabPaths",
 ]
 
 VERIFIER = Path("models/verifier")  # prepare: HF safetensors folder + manifest.json
@@ -39,3 +53,114 @@ EVALUATE_PLOTS = Path("plots/evaluate")  # evaluate: tau, speedup, per_position,
 REGISTERED = Path("models/registered.json")  # register: the registered model name, version and models:/ URI
 BENCHMARK = Path("data/benchmark")  # benchmark: benchmark.json (engine vs reference numbers, verdicts) + manifest
 BENCHMARK_METRICS = Path("metrics/benchmark.json")  # benchmark: engine τ and speedup, integration_fault per arm
+
+
+@dataclass(frozen=True)
+class GeneratePaths:
+    """generate: the prepared verifier in, the response shards out."""
+
+    verifier: Path
+    out: Path
+
+    @classmethod
+    def default(cls) -> GeneratePaths:
+        return cls(VERIFIER, GENERATED)
+
+
+@dataclass(frozen=True)
+class ExtractPaths:
+    """extract: the verifier and its responses in, the shard manifest's folder out."""
+
+    verifier: Path
+    generated: Path
+    out: Path
+
+    @classmethod
+    def default(cls) -> ExtractPaths:
+        return cls(VERIFIER, GENERATED, EXTRACT)
+
+
+@dataclass(frozen=True)
+class VocabPaths:
+    """vocab: the responses in, the draft vocabulary out."""
+
+    generated: Path
+    out: Path
+
+    @classmethod
+    def default(cls) -> VocabPaths:
+        return cls(GENERATED, VOCAB)
+
+
+@dataclass(frozen=True)
+class TrainPaths:
+    """train (and a trained baseline): verifier, features and vocab in; the checkpoint, its resume state, the
+    held-out metrics and, when given, the plot tables out."""
+
+    verifier: Path
+    extract: Path
+    vocab: Path
+    out: Path
+    state: Path
+    metrics: Path
+    plots: Path | None
+
+    @classmethod
+    def default(cls) -> TrainPaths:
+        return cls(VERIFIER, EXTRACT, VOCAB, DRAFTER, TRAIN_STATE, TRAIN_METRICS, TRAIN_PLOTS)
+
+    @classmethod
+    def baseline(cls) -> TrainPaths:
+        """The baseline stage's: the same inputs, its own outputs, no plot tables."""
+        return cls(VERIFIER, EXTRACT, VOCAB, BASELINE, BASELINE_STATE, BASELINE_METRICS, None)
+
+
+@dataclass(frozen=True)
+class EvaluatePaths:
+    """evaluate: the verifier, the held-out responses and the candidate drafter in (the baseline drafter is a
+    param); the evaluation, its metrics and plot tables out."""
+
+    verifier: Path
+    generated: Path
+    drafter: Path
+    out: Path
+    metrics: Path
+    plots: Path
+
+    @classmethod
+    def default(cls) -> EvaluatePaths:
+        return cls(VERIFIER, GENERATED, DRAFTER, EVALUATE, EVALUATE_METRICS, EVALUATE_PLOTS)
+
+
+@dataclass(frozen=True)
+class BenchmarkPaths:
+    """benchmark: the verifier, the held-out responses and the evaluation (its drafters and reference numbers)
+    in; the engine's numbers and their metrics out."""
+
+    verifier: Path
+    generated: Path
+    evaluate: Path
+    out: Path
+    metrics: Path
+
+    @classmethod
+    def default(cls) -> BenchmarkPaths:
+        return cls(VERIFIER, GENERATED, EVALUATE, BENCHMARK, BENCHMARK_METRICS)
+
+
+@dataclass(frozen=True)
+class RegisterPaths:
+    """register: the drafter, its evaluation, benchmark, verifier, vocab and training curves in; the pointer to the
+    registered version out."""
+
+    drafter: Path
+    evaluate: Path
+    benchmark: Path
+    verifier: Path
+    vocab: Path
+    train_plots: Path
+    out: Path
+
+    @classmethod
+    def default(cls) -> RegisterPaths:
+        return cls(DRAFTER, EVALUATE, BENCHMARK, VERIFIER, VOCAB, TRAIN_PLOTS, REGISTERED)

@@ -6,11 +6,11 @@ import sys
 
 import click
 
-from expman import paths
-from expman.baseline import baseline
 from expman.errors import user_errors
-from expman.parallel import launch
 from expman.params import load_params
+from expman.paths import TrainPaths
+from expman.training.baseline import baseline
+from expman.training.parallel import launch
 
 
 @click.command()
@@ -21,15 +21,7 @@ def main(params_file: str) -> None:
         params = load_params(params_file)
         exit_code = launch(params.baseline.train, sys.argv) if params.baseline.source == "train" else None
         if exit_code is None:
-            baseline(
-                params,
-                paths.VERIFIER,
-                paths.EXTRACT,
-                paths.VOCAB,
-                paths.BASELINE,
-                paths.BASELINE_STATE,
-                paths.BASELINE_METRICS,
-            )
+            baseline(params, TrainPaths.baseline())
     if exit_code:
         sys.exit(exit_code)
 

@@ -2,10 +2,10 @@
 
 import click
 
-from expman import paths
-from expman.benchmark import benchmark
 from expman.errors import user_errors
+from expman.evaluation.benchmark import benchmark
 from expman.params import load_params
+from expman.paths import BenchmarkPaths
 
 
 @click.command()
@@ -13,14 +13,7 @@ from expman.params import load_params
 def main(params_file: str) -> None:
     """No speculation, baseline and candidate in the serving engine; flag integration faults."""
     with user_errors():
-        benchmark(
-            load_params(params_file),
-            paths.VERIFIER,
-            paths.GENERATED,
-            paths.EVALUATE,
-            paths.BENCHMARK,
-            paths.BENCHMARK_METRICS,
-        )
+        benchmark(load_params(params_file), BenchmarkPaths.default())
 
 
 if __name__ == "__main__":  # vLLM's engine runs in a spawned process that re-imports this module

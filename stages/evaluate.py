@@ -2,10 +2,10 @@
 
 import click
 
-from expman import paths
 from expman.errors import user_errors
-from expman.evaluate import evaluate
+from expman.evaluation.evaluate import evaluate
 from expman.params import load_params
+from expman.paths import EvaluatePaths
 
 
 @click.command()
@@ -13,15 +13,7 @@ from expman.params import load_params
 def main(params_file: str) -> None:
     """No speculation, baseline and candidate on the held-out prompts: τ, acceptance, speedup, greedy equality."""
     with user_errors():
-        evaluate(
-            load_params(params_file),
-            paths.VERIFIER,
-            paths.GENERATED,
-            paths.DRAFTER,
-            paths.EVALUATE,
-            paths.EVALUATE_METRICS,
-            paths.EVALUATE_PLOTS,
-        )
+        evaluate(load_params(params_file), EvaluatePaths.default())
 
 
 if __name__ == "__main__":

@@ -2,10 +2,10 @@
 
 import click
 
-from expman import paths
+from expman.data.extract import extract
 from expman.errors import user_errors
-from expman.extract import extract
 from expman.params import load_params
+from expman.paths import ExtractPaths
 
 
 @click.command()
@@ -13,7 +13,7 @@ from expman.params import load_params
 def main(params_file: str) -> None:
     """Capture aux and final hidden states of the train responses; resumable shard by shard."""
     with user_errors():
-        extract(load_params(params_file), paths.VERIFIER, paths.GENERATED, paths.EXTRACT)
+        extract(load_params(params_file), ExtractPaths.default())
 
 
 if __name__ == "__main__":

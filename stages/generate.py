@@ -2,10 +2,10 @@
 
 import click
 
-from expman import paths
+from expman.data.generate import generate
 from expman.errors import user_errors
-from expman.generate import generate
 from expman.params import load_params
+from expman.paths import GeneratePaths
 
 
 @click.command()
@@ -13,7 +13,7 @@ from expman.params import load_params
 def main(params_file: str) -> None:
     """Answer every prompt with the verifier and its chat template; resumable shard by shard."""
     with user_errors():
-        generate(load_params(params_file), paths.VERIFIER, paths.GENERATED)
+        generate(load_params(params_file), GeneratePaths.default())
 
 
 if __name__ == "__main__":  # the vLLM backend spawns its engine process

@@ -3,9 +3,9 @@
 import click
 
 from expman import paths
+from expman.data.verifier import prepare
 from expman.errors import user_errors
 from expman.params import load_params
-from expman.verifier import prepare
 
 
 @click.command()

@@ -2,10 +2,10 @@
 
 import click
 
-from expman import paths
 from expman.errors import user_errors
 from expman.params import load_params
-from expman.register import register
+from expman.paths import RegisterPaths
+from expman.registry.register import register
 
 
 @click.command()
@@ -13,17 +13,7 @@ from expman.register import register
 def main(params_file: str) -> None:
     """Register models/drafter with its lineage, capture contract and evaluation numbers; move alias candidate."""
     with user_errors():
-        section = load_params(params_file).register_
-        register(
-            section,
-            paths.DRAFTER,
-            paths.EVALUATE,
-            paths.BENCHMARK,
-            paths.VERIFIER,
-            paths.VOCAB,
-            paths.TRAIN_PLOTS,
-            paths.REGISTERED,
-        )
+        register(load_params(params_file).register_, RegisterPaths.default())
 
 
 if __name__ == "__main__":

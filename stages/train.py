@@ -1,16 +1,16 @@
 """train: the EAGLE-3 drafter into models/drafter.  Run: python stages/train.py (or dvc repro train).
 
-With ``train.gpus`` or ``train.nodes`` above 1 it starts itself under torchrun (``expman.parallel.launch``)."""
+With ``train.gpus`` or ``train.nodes`` above 1 it starts itself under torchrun (``expman.training.parallel.launch``)."""
 
 import sys
 
 import click
 
-from expman import paths
 from expman.errors import user_errors
-from expman.parallel import launch
 from expman.params import load_params
-from expman.train import train
+from expman.paths import TrainPaths
+from expman.training.parallel import launch
+from expman.training.train import train
 
 
 @click.command()
@@ -21,16 +21,7 @@ def main(params_file: str) -> None:
         section = load_params(params_file).train
         exit_code = launch(section, sys.argv)
         if exit_code is None:
-            train(
-                section,
-                paths.VERIFIER,
-                paths.EXTRACT,
-                paths.VOCAB,
-                paths.DRAFTER,
-                paths.TRAIN_STATE,
-                paths.TRAIN_METRICS,
-                curves=paths.TRAIN_PLOTS,
-            )
+            train(section, TrainPaths.default())
     if exit_code:
         sys.exit(exit_code)
 

@@ -2,10 +2,10 @@
 
 import click
 
-from expman import paths
+from expman.data.vocab import vocab
 from expman.errors import user_errors
 from expman.params import load_params
-from expman.vocab import vocab
+from expman.paths import VocabPaths
 
 
 @click.command()
@@ -13,7 +13,7 @@ from expman.vocab import vocab
 def main(params_file: str) -> None:
     """Pick the draft vocab by assistant-token frequency; write d2t/t2d and coverage metrics."""
     with user_errors():
-        vocab(load_params(params_file), paths.GENERATED, paths.VOCAB)
+        vocab(load_params(params_file), VocabPaths.default())
 
 
 if __name__ == "__main__":

@@ -99,7 +99,7 @@ def synthetic_evaluation(
     """A plausible evaluation: ``arms`` maps arm name to (sha256, per-draft acceptance quality); a round costs one
     verifier forward (20 ms) plus 3 ms per drafted token, so a weak drafter is slower than no speculation. Its
     summary is the evaluate stage's own."""
-    from expman.evaluate import summarize
+    from expman.evaluation.evaluate import summarize
 
     rng = random.Random(seed)
     rows = []
@@ -126,7 +126,7 @@ def tiny_checkpoint(folder: Path, seed: int = 0) -> Path:
     """A valid speculators checkpoint of the tiny test drafter; ``seed`` shifts its weights (another sha256)."""
     import torch
 
-    from expman.checkpoint import save_speculators
+    from expman.drafter.checkpoint import save_speculators
     from tests.test_checkpoint import _vocab
     from tests.test_drafter import _drafter
 
@@ -140,7 +140,7 @@ def tiny_checkpoint(folder: Path, seed: int = 0) -> Path:
 
 def log_evaluation(result: Mapping[str, Any]) -> str:
     """An evaluate-stage run holding ``result`` as its ``evaluation.json`` artifact; returns the run id."""
-    from expman.tracking import stage_run
+    from expman.registry.tracking import stage_run
 
     with tempfile.TemporaryDirectory() as tmp, stage_run("evaluate", {}, {}) as run:
         path = Path(tmp) / "evaluation.json"
@@ -157,8 +157,8 @@ def add_version(
     tags: Mapping[str, str] | None = None,
 ) -> int:
     """Register ``drafter_dir`` (tagged with the run of its evaluation ``result``, when given); returns the version."""
-    from expman.registry import register_drafter
-    from expman.tracking import stage_run
+    from expman.registry.tracking import stage_run
+    from expman.registry.versions import register_drafter
 
     version_tags = dict(tags or {})
     if result is not None:

@@ -353,7 +353,7 @@ def test_torn_prepared_verifier(staged: Path) -> None:
 
 def _foreign_eagle(folder: Path) -> Path:
     """An EAGLE-format drafter (no embedding) for another verifier."""
-    from expman.checkpoint import export_eagle
+    from expman.drafter.checkpoint import export_eagle
     from tests.test_checkpoint import _vocab
     from tests.test_drafter import _drafter
 
@@ -394,7 +394,7 @@ def shared_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("store")
     with pytest.MonkeyPatch.context() as patch:
         use_store(root, patch)
-        from expman.registry import import_drafter
+        from expman.registry.versions import import_drafter
 
         import_drafter(tiny_checkpoint(root.parent / "store-source"), MODEL, "baseline", None)
     return root

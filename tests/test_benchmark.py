@@ -15,9 +15,10 @@ import pytest
 import yaml
 
 from expman import paths
-from expman.benchmark import benchmark, contract_mismatch
 from expman.errors import ExpmanError
+from expman.evaluation.benchmark import benchmark, contract_mismatch
 from expman.params import load_params
+from expman.paths import BenchmarkPaths, EvaluatePaths, TrainPaths
 from tests.test_dvc import REPO, _run, make_dvc_project
 
 
@@ -31,28 +32,16 @@ def _shift_served_layers(drafter: Path, by: int = 1) -> list[int]:
 
 
 def _trained_project(project: Path) -> None:
-    from expman.baseline import baseline
-    from expman.evaluate import evaluate
-    from expman.train import train
+    from expman.evaluation.evaluate import evaluate
+    from expman.training.baseline import baseline
+    from expman.training.train import train
     from tests.test_pipeline import run_until
 
     run_until("vocab")
     params = load_params("params.yaml")
-    baseline(
-        params, paths.VERIFIER, paths.EXTRACT, paths.VOCAB, paths.BASELINE, paths.BASELINE_STATE, paths.BASELINE_METRICS
-    )
-    train(
-        params.train, paths.VERIFIER, paths.EXTRACT, paths.VOCAB, paths.DRAFTER, paths.TRAIN_STATE, paths.TRAIN_METRICS
-    )
-    evaluate(
-        params,
-        paths.VERIFIER,
-        paths.GENERATED,
-        paths.DRAFTER,
-        paths.EVALUATE,
-        paths.EVALUATE_METRICS,
-        paths.EVALUATE_PLOTS,
-    )
+    baseline(params, TrainPaths.baseline())
+    train(params.train, TrainPaths.default())
+    evaluate(params, EvaluatePaths.default())
 
 
 def test_a_shifted_export_is_flagged_and_the_reference_keeps_the_trained_layers(project: Path) -> None:
@@ -63,30 +52,15 @@ def test_a_shifted_export_is_flagged_and_the_reference_keeps_the_trained_layers(
     reason = contract_mismatch(paths.DRAFTER)
     assert reason == f"{paths.DRAFTER}/config.json serves aux layers {served}, the drafter was trained on {contract}"
 
-    from expman.evaluate import evaluate
+    from expman.evaluation.evaluate import evaluate
 
-    evaluate(
-        load_params("params.yaml"),
-        paths.VERIFIER,
-        paths.GENERATED,
-        paths.DRAFTER,
-        paths.EVALUATE,
-        paths.EVALUATE_METRICS,
-        paths.EVALUATE_PLOTS,
-    )
+    evaluate(load_params("params.yaml"), EvaluatePaths.default())
     evaluation = json.loads((project / paths.EVALUATE / "evaluation.json").read_text())
     assert evaluation["arms"]["candidate"]["aux_layers"] == contract  # the reference measures the drafter itself
 
 
 def _run_benchmark() -> dict:
-    return benchmark(
-        load_params("params.yaml"),
-        paths.VERIFIER,
-        paths.GENERATED,
-        paths.EVALUATE,
-        paths.BENCHMARK,
-        paths.BENCHMARK_METRICS,
-    )
+    return benchmark(load_params("params.yaml"), BenchmarkPaths.default())
 
 
 def test_engine_none_is_recorded_as_not_measured(project: Path) -> None:
@@ -100,7 +74,7 @@ def test_engine_none_is_recorded_as_not_measured(project: Path) -> None:
     run_id = manifest["provenance"]["mlflow_run_id"]
     assert not mlflow.MlflowClient().list_artifacts(run_id, "figures"), "no engine ran: nothing to draw"
 
-    from expman.register import engine_tags
+    from expman.registry.register import engine_tags
 
     assert engine_tags(result) == {"expman.engine": "none", "expman.integration_fault": "not measured"}
 

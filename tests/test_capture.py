@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from expman.extract import CaptureHooks, default_aux_layers
+from expman.data.extract import CaptureHooks, default_aux_layers
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +108,7 @@ def test_capture_on_cuda_matches_cpu(tiny_verifier_source: Path) -> None:
 def test_pinned_shard_path_on_cuda_equals_cpu(tiny_verifier_source: Path) -> None:
     """extract_shard on CUDA (asynchronous copies into pinned host memory, event-ordered) writes exactly the rows the
     synchronous CPU path writes, for samples of different lengths in several batches."""
-    from expman.extract import extract_shard
+    from expman.data.extract import extract_shard
     from expman.params import ExtractParams
 
     generator = torch.Generator().manual_seed(2)
@@ -135,7 +135,7 @@ def test_pinned_shard_path_on_cuda_equals_cpu(tiny_verifier_source: Path) -> Non
 def test_layer_split_places_every_weight_and_spreads_the_layers_in_order(tiny_verifier_source: Path, gpus: int):
     """extract.gpus: every weight of the verifier falls under one entry of the map; the 8 layers go to the GPUs in
     order and evenly; the embedding sits on the first GPU, the (untied) lm_head on the last."""
-    from expman.verifier import layer_split
+    from expman.data.verifier import layer_split
 
     device_map = layer_split(tiny_verifier_source, gpus, trust_remote_code=False)
     model = AutoModelForCausalLM.from_pretrained(tiny_verifier_source)
@@ -149,8 +149,8 @@ def test_layer_split_places_every_weight_and_spreads_the_layers_in_order(tiny_ve
 
 
 def test_more_gpus_than_visible_is_refused_before_loading(tiny_verifier_source: Path, tmp_path: Path) -> None:
+    from expman.data.verifier import load_verifier
     from expman.errors import ExpmanError
-    from expman.verifier import load_verifier
 
     (tmp_path / "manifest.json").write_text('{"stage": "prepare", "trust_remote_code": false}')
     with pytest.raises(ExpmanError, match=r"extract.gpus: 64 GPUs asked for, \d+ visible"):
@@ -162,9 +162,9 @@ def test_more_gpus_than_visible_is_refused_before_loading(tiny_verifier_source: 
 def test_verifier_split_over_two_gpus_extracts_what_one_gpu_does(tiny_verifier_source: Path) -> None:
     """extract.gpus: 2: the states of layers on different GPUs are gathered on one, and the event that guards the
     pinned host copies is recorded on that GPU's stream, so the shard equals the one-GPU shard exactly."""
-    from expman.extract import extract_shard
+    from expman.data.extract import extract_shard
+    from expman.data.verifier import layer_split
     from expman.params import ExtractParams
-    from expman.verifier import layer_split
 
     generator = torch.Generator().manual_seed(2)
     samples = [

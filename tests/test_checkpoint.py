@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from expman.checkpoint import export_eagle, load_drafter, save_speculators
+from expman.drafter.checkpoint import export_eagle, load_drafter, save_speculators
 from expman.errors import ExpmanError
 from tests.test_drafter import _drafter
 

@@ -22,6 +22,7 @@ from click.testing import CliRunner
 
 from expman import doctor, paths
 from expman.cli import main
+from expman.data.extract import capture_contract
 from expman.doctor import (
     GpuProcess,
     check_contract,
@@ -31,10 +32,9 @@ from expman.doctor import (
     extract_estimate,
     parse_compute_apps,
 )
-from expman.extract import capture_contract
 from expman.params import ExtractParams, load_params
-from expman.registry import contract_tags
-from expman.tracking import set_alias
+from expman.registry.tracking import set_alias
+from expman.registry.versions import contract_tags
 from tests.registry_fixtures import add_version, tiny_checkpoint, use_store
 
 # nvidia-smi 580.159.04 on an H200, while one process (pid 449) held a 3 GiB cuMemAlloc plus its CUDA context

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from expman.drafter import DrafterConfig, Eagle3Drafter, ttt_attention_mask
+from expman.drafter.model import DrafterConfig, Eagle3Drafter, ttt_attention_mask
 
 TINY_VERIFIER = {
     "hidden_size": 16,
@@ -120,7 +120,7 @@ def test_flex_block_masks_give_the_dense_mask_result(length: int) -> None:
 @pytest.mark.gpu
 def test_compiled_cuda_training_step_matches_eager_gradients() -> None:
     """The compiled training loss with flex attention gives the eager dense path's loss and gradients."""
-    from expman.objective import Packed, VerifierHead, compiled_ttt_loss, ttt_loss
+    from expman.drafter.objective import Packed, VerifierHead, compiled_ttt_loss, ttt_loss
 
     verifier = TINY_VERIFIER | {"hidden_size": 64, "intermediate_size": 128}  # flex's kernels need head_dim >= 16
     generator = torch.Generator().manual_seed(2)

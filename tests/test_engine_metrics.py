@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from expman.engine_metrics import AcceptanceCounters, from_prometheus_text, from_vllm_metrics
+from expman.engines.metrics import AcceptanceCounters, from_prometheus_text, from_vllm_metrics
 from expman.errors import ExpmanError
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from expman.drafter import DrafterConfig, Eagle3Drafter
-from expman.evaluate import (
+from expman.drafter.model import DrafterConfig, Eagle3Drafter
+from expman.evaluation.evaluate import (
     TIE_ULPS,
     DrafterSession,
     GreedyReference,
@@ -235,14 +235,17 @@ def test_summary_pools_counters_as_designed(tmp_path: Path) -> None:
 
 
 def test_baseline_train_and_evaluate_stages_on_the_tiny_project(project: Path) -> None:
+    import dataclasses
+
     import yaml
 
     from expman import paths
-    from expman.baseline import baseline
-    from expman.evaluate import evaluate
+    from expman.evaluation.evaluate import evaluate
     from expman.params import load_params
-    from expman.tracking import open_registry
-    from expman.train import train
+    from expman.paths import EvaluatePaths, TrainPaths
+    from expman.registry.reader import open_registry
+    from expman.training.baseline import baseline
+    from expman.training.train import train
     from tests.test_pipeline import run_until
 
     run_until("vocab")
@@ -250,27 +253,15 @@ def test_baseline_train_and_evaluate_stages_on_the_tiny_project(project: Path) -
     params["train"]["finetune_from"] = "models/baseline"
     (project / "params.yaml").write_text(yaml.safe_dump(params))
     loaded = load_params("params.yaml")
-    made = baseline(
-        loaded, paths.VERIFIER, paths.EXTRACT, paths.VOCAB, paths.BASELINE, paths.BASELINE_STATE, paths.BASELINE_METRICS
-    )
+    made = baseline(loaded, TrainPaths.baseline())
     assert made["registered"]["alias"] == "baseline"
     assert open_registry().alias(made["registered"]["name"], "baseline") == made["registered"]["version"]
     base = json.loads((project / paths.BASELINE_METRICS).read_text())
-    trained = train(
-        loaded.train, paths.VERIFIER, paths.EXTRACT, paths.VOCAB, paths.DRAFTER, paths.TRAIN_STATE, paths.TRAIN_METRICS
-    )
+    trained = train(loaded.train, TrainPaths.default())
     assert trained["metrics"]["train_samples"] > base["train_samples"]  # the baseline saw a share of the samples
     assert trained["provenance"]["upstream"]["finetune_from"]["manifest"] == "models/baseline"
 
-    manifest = evaluate(
-        loaded,
-        paths.VERIFIER,
-        paths.GENERATED,
-        paths.DRAFTER,
-        paths.EVALUATE,
-        paths.EVALUATE_METRICS,
-        paths.EVALUATE_PLOTS,
-    )
+    manifest = evaluate(loaded, EvaluatePaths.default())
     evaluation = json.loads((project / paths.EVALUATE / "evaluation.json").read_text())
     assert set(evaluation["arms"]) == {"baseline", "candidate"}
     assert len(evaluation["prompts"]) == 4 and manifest["prompts"] == 4
@@ -288,15 +279,13 @@ def test_baseline_train_and_evaluate_stages_on_the_tiny_project(project: Path) -
 
     # two worker processes (evaluate.workers) decode the same rows in the same order; only the timings differ
     parallel = loaded.evaluate.model_copy(update={"workers": 2})
-    evaluate(
-        loaded.model_copy(update={"evaluate": parallel}),
-        paths.VERIFIER,
-        paths.GENERATED,
-        paths.DRAFTER,
-        Path("data/evaluate-2"),
-        Path("metrics/evaluate-2.json"),
-        Path("plots/evaluate-2"),
+    separate = dataclasses.replace(
+        EvaluatePaths.default(),
+        out=Path("data/evaluate-2"),
+        metrics=Path("metrics/evaluate-2.json"),
+        plots=Path("plots/evaluate-2"),
     )
+    evaluate(loaded.model_copy(update={"evaluate": parallel}), separate)
 
     def untimed(value: Any) -> Any:
         if isinstance(value, dict):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from expman.errors import ExpmanError
-from expman.fault_gate import hidden_state_parity, integration_fault
+from expman.evaluation.fault_gate import hidden_state_parity, integration_fault
 
 # The peer drafter measured in vLLM CPU (DESIGN.md, Engines): tau 1.355 at k=3.
 REFERENCE = {"tau": 1.355, "per_position": [0.26, 0.07, 0.025]}

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from expman.conversations import read_dataset
+from expman.data.conversations import read_dataset
+from expman.data.vocab import build_vocab, draft_vocab_size
 from expman.errors import ExpmanError
 from expman.params import DatasetSpec
-from expman.vocab import build_vocab, draft_vocab_size
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from expman.drafter import DrafterConfig, Eagle3Drafter
+from expman.data.extract import CaptureHooks
+from expman.drafter.model import DrafterConfig, Eagle3Drafter
+from expman.drafter.objective import Packed, VerifierHead, metric_values, simulated_tau, ttt_loss
 from expman.errors import ExpmanError
-from expman.extract import CaptureHooks
-from expman.objective import Packed, VerifierHead, metric_values, simulated_tau, ttt_loss
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from expman.checkpoint import load_drafter, save_speculators
-from expman.drafter import DrafterConfig, Eagle3Drafter
+from expman.drafter.checkpoint import load_drafter, save_speculators
+from expman.drafter.model import DrafterConfig, Eagle3Drafter
 
 speculators_eagle3 = pytest.importorskip("speculators.models.eagle3")
 
@@ -83,7 +83,7 @@ def test_first_step_loss_equals_speculators_loss(tiny_verifier_source: Path, tmp
     where expman's marks the predicted token."""
     from speculators.losses import resolve_loss_config
 
-    from expman.objective import Packed, VerifierHead, metric_values, ttt_loss
+    from expman.drafter.objective import Packed, VerifierHead, metric_values, ttt_loss
 
     ours = _ours(tiny_verifier_source)
     save_speculators(ours, tmp_path / "ours", str(tiny_verifier_source), ["LlamaForCausalLM"], speculative_tokens=3)

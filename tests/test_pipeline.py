@@ -10,15 +10,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from expman import extract as extract_module
 from expman import paths
-from expman.conversations import prompt_id
+from expman.data import extract as extract_module
+from expman.data.conversations import prompt_id
+from expman.data.extract import extract, load_shard
+from expman.data.generate import generate, read_responses
+from expman.data.verifier import prepare
+from expman.data.vocab import vocab
 from expman.errors import ExpmanError
-from expman.extract import extract, load_shard
-from expman.generate import generate, read_responses
 from expman.params import load_params
-from expman.verifier import prepare
-from expman.vocab import vocab
+from expman.paths import ExtractPaths, GeneratePaths, VocabPaths
 
 
 def run_until(stage: str) -> None:
@@ -26,13 +27,13 @@ def run_until(stage: str) -> None:
     prepare(params, paths.VERIFIER)
     if stage == "prepare":
         return
-    generate(params, paths.VERIFIER, paths.GENERATED)
+    generate(params, GeneratePaths.default())
     if stage == "generate":
         return
-    extract(params, paths.VERIFIER, paths.GENERATED, paths.EXTRACT)
+    extract(params, ExtractPaths.default())
     if stage == "extract":
         return
-    vocab(params, paths.GENERATED, paths.VOCAB)
+    vocab(params, VocabPaths.default())
 
 
 def snapshot(project: Path) -> dict[str, object]:
@@ -150,13 +151,13 @@ def test_extract_resumes_after_crash_with_identical_output(project: Path, monkey
     monkeypatch.setattr(extract_module, "extract_shard", crash_on_third)
     params = load_params("params.yaml")
     with pytest.raises(KeyboardInterrupt):
-        extract(params, paths.VERIFIER, paths.GENERATED, paths.EXTRACT)
+        extract(params, ExtractPaths.default())
     assert not (project / paths.EXTRACT / "manifest.json").exists()
     assert len(list(shard_dir.glob("*.done.json"))) == 2
 
     calls.clear()
     monkeypatch.setattr(extract_module, "extract_shard", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
-    extract(params, paths.VERIFIER, paths.GENERATED, paths.EXTRACT)
+    extract(params, ExtractPaths.default())
     assert len(calls) == 2  # only the torn shard and the one never started
     assert snapshot(project) == uninterrupted
     assert not list(shard_dir.glob(".*.tmp"))  # nor is the temp file the kill left
@@ -185,12 +186,12 @@ def test_generate_redoes_only_unfinished_shards(project: Path, monkeypatch: pyte
     train = project / paths.GENERATED / "train"
     before = {p.name: p.read_bytes() for p in train.glob("*.jsonl")}
     (train / "shard-00001.jsonl.done.json").unlink()
-    from expman import generate as generate_module
+    from expman.data import generate as generate_module
 
     calls = []
     real = generate_module._regenerate
     monkeypatch.setattr(generate_module, "_regenerate", lambda *a: (calls.append(len(a[1])), real(*a))[1])
-    generate(load_params("params.yaml"), paths.VERIFIER, paths.GENERATED)
+    generate(load_params("params.yaml"), GeneratePaths.default())
     assert calls == [4]
     assert {p.name: p.read_bytes() for p in train.glob("*.jsonl")} == before
 
@@ -200,7 +201,7 @@ def test_aux_layer_beyond_the_verifier_is_refused_before_loading(project: Path) 
     text = (project / "params.yaml").read_text().replace("extract:", "extract:\n  aux_layers: [2, 3, 8]")
     (project / "params.yaml").write_text(text)
     with pytest.raises(ExpmanError, match=r"extract\.aux_layers: \[2, 3, 8\] exceeds 7"):
-        extract(load_params("params.yaml"), paths.VERIFIER, paths.GENERATED, paths.EXTRACT)
+        extract(load_params("params.yaml"), ExtractPaths.default())
     assert not (project / paths.EXTRACT).exists()
 
 
@@ -258,7 +259,7 @@ def test_a_failed_shard_write_fails_the_stage_and_leaves_no_manifest(
 
     monkeypatch.setattr(extract_module, "save_streamed", disk_full)
     with pytest.raises(OSError, match="No space left on device"):
-        extract(load_params("params.yaml"), paths.VERIFIER, paths.GENERATED, paths.EXTRACT)
+        extract(load_params("params.yaml"), ExtractPaths.default())
     assert not (project / paths.EXTRACT / "manifest.json").exists()
     assert not list((project / "data/extract/shards").glob("*.done.json"))
 

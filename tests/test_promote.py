@@ -14,7 +14,8 @@ from click.testing import CliRunner
 
 from expman.cli import main
 from expman.provenance import sha256_file
-from expman.tracking import open_registry, set_version_tags
+from expman.registry.reader import open_registry
+from expman.registry.tracking import set_version_tags
 from tests.conftest import tiny_params, write_prompts
 from tests.registry_fixtures import add_version, synthetic_evaluation, tiny_checkpoint, use_store
 

@@ -13,15 +13,17 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from expman import paths
-from expman.checkpoint import export_eagle, load_drafter, read_checkpoint
 from expman.cli import main
+from expman.drafter.checkpoint import export_eagle, load_drafter, read_checkpoint
 from expman.errors import ExpmanError
 from expman.params import RegisterParams
+from expman.paths import RegisterPaths
 from expman.plots import train_row, write_tables
 from expman.provenance import sha256_file
-from expman.register import register
-from expman.registry import verifier_slug
-from expman.tracking import download_version, open_registry
+from expman.registry.reader import open_registry
+from expman.registry.register import register
+from expman.registry.tracking import download_version
+from expman.registry.versions import verifier_slug
 from tests.registry_fixtures import add_version, log_evaluation, synthetic_evaluation, tiny_checkpoint, use_store
 from tests.test_checkpoint import _logits, _vocab
 from tests.test_drafter import _drafter
@@ -119,16 +121,7 @@ def _benchmark(root: Path, fault_reason: str | None) -> None:
 
 
 def _register() -> dict:
-    return register(
-        RegisterParams(),
-        paths.DRAFTER,
-        paths.EVALUATE,
-        paths.BENCHMARK,
-        paths.VERIFIER,
-        paths.VOCAB,
-        paths.TRAIN_PLOTS,
-        paths.REGISTERED,
-    )
+    return register(RegisterParams(), RegisterPaths.default())
 
 
 def _pooled_tau(result: dict, k: int) -> float:
@@ -216,7 +209,7 @@ def test_the_registered_version_tells_its_comparison_with_the_baseline(store: Pa
     assert "baseline v1 (@baseline)" in description and "baseline paired in-run" in description
     assert "tau 1.300 (0.95x reference), speedup 0.900x, integration fault false" in description  # the engine at k=3
 
-    from expman.compare import compare
+    from expman.registry.compare import compare
 
     report = compare(open_registry(), [str(registered["version"])], MODEL)
     shown = [line for line in description.splitlines() if line.startswith("| v2 (@candidate) |")]
@@ -251,7 +244,7 @@ def test_register_refuses_an_evaluation_of_another_drafter(store: Path) -> None:
         _register()
     assert not (store / paths.REGISTERED).exists()
     with pytest.raises(ExpmanError, match="no eagle3-"):
-        from expman.registry import resolve_model
+        from expman.registry.versions import resolve_model
 
         resolve_model(open_registry(), None)
 
@@ -325,7 +318,7 @@ def test_import_eagle_folder_without_a_verifier(store: Path, model) -> None:
 
 def test_export_both_formats(store: Path, model) -> None:
     source = store / "spec"
-    from expman.checkpoint import save_speculators
+    from expman.drafter.checkpoint import save_speculators
 
     save_speculators(model, source, "tiny-verifier", ["LlamaForCausalLM"], speculative_tokens=3)
     assert _cli("import", str(source), "--name", "eagle3-tiny", "--alias", "candidate").exit_code == 0

@@ -75,8 +75,8 @@ def _use_the_store(project: Path) -> list[str]:
     """What a team member does, through MLFLOW_TRACKING_URI: run a stage, register an evaluated drafter, import
     one, promote, compare, list and export; returns the commands' outputs."""
     from expman import paths
+    from expman.data.verifier import prepare
     from expman.params import load_params
-    from expman.verifier import prepare
 
     prepare(load_params("params.yaml"), paths.VERIFIER)
     drafter = tiny_checkpoint(project / "drafter")
@@ -156,7 +156,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path
 def test_credentials_in_an_http_tracking_uri_show_nowhere(
     project: Path, server: tuple[str, Path], capfd: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from expman.tracking import open_registry
+    from expman.registry.reader import open_registry
 
     url, folder = server
     secret = f"pw-{secrets.token_hex(8)}"

@@ -11,10 +11,12 @@ import pytest
 import yaml
 
 from expman import paths
-from expman.generate import GenOutput, generate, read_responses
+from expman.data.backend import GenOutput
+from expman.data.generate import generate, read_responses
+from expman.data.self_prompts import DROP_REASONS, PromptFilter, user_turn_prefix, write_prompts
+from expman.data.verifier import prepare
 from expman.params import SelfPromptParams, load_params
-from expman.self_prompts import DROP_REASONS, PromptFilter, user_turn_prefix, write_prompts
-from expman.verifier import prepare
+from expman.paths import GeneratePaths
 from tests.conftest import write_prompts as copy_prompts
 
 REPO = Path(__file__).resolve().parents[1]
@@ -129,7 +131,7 @@ def test_generate_answers_the_prompts_it_wrote_and_records_what_it_dropped(proje
     (project / "params.yaml").write_text(yaml.safe_dump(params))
     loaded = load_params("params.yaml")
     prepare(loaded, paths.VERIFIER)
-    generate(loaded, paths.VERIFIER, paths.GENERATED)
+    generate(loaded, GeneratePaths.default())
     manifest = json.loads((project / paths.GENERATED / "manifest.json").read_text())
     written = manifest["self_prompts"]
     assert written["settings"]["seed"] == 0 and written["settings"]["near_duplicate"] == 0.7
@@ -144,7 +146,7 @@ def test_generate_answers_the_prompts_it_wrote_and_records_what_it_dropped(proje
     assert not any(guard.near_heldout(r["messages"][-2]["content"]) for r in self_written)
     first = (project / paths.GENERATED / "self_prompts/prompts.jsonl").read_bytes()
     (project / paths.GENERATED / "self_prompts/prompts.jsonl.done.json").unlink()
-    generate(loaded, paths.VERIFIER, paths.GENERATED)  # written again: the same seed gives the same prompts
+    generate(loaded, GeneratePaths.default())  # written again: the same seed gives the same prompts
     assert (project / paths.GENERATED / "self_prompts/prompts.jsonl").read_bytes() == first
 
     import mlflow
@@ -175,7 +177,7 @@ def test_smollm2_writes_prompts_through_vllm(tmp_path: Path, monkeypatch: pytest
     Path("params.yaml").write_text(yaml.safe_dump(params))
     loaded = load_params("params.yaml")
     prepare(loaded, paths.VERIFIER)
-    generate(loaded, paths.VERIFIER, paths.GENERATED)
+    generate(loaded, GeneratePaths.default())
     written = json.loads((tmp_path / paths.GENERATED / "manifest.json").read_text())["self_prompts"]
     assert written["kept"] == 24, written
     records = read_responses(paths.GENERATED, "train")

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from expman.engines.sglang import launch_command, parse_server_info
 from expman.errors import ExpmanError
-from expman.sglang import launch_command, parse_server_info
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

@@ -1,5 +1,5 @@
-"""Project structure rules: the library never imports stages, dvc.yaml writes where expman.paths says,
-and the CLI starts without the heavy libraries."""
+"""Project structure rules: the library never imports stages and has no import circle, dvc.yaml writes where
+expman.paths says, and the CLI starts without the heavy libraries."""
 
 from __future__ import annotations
 
@@ -25,6 +25,81 @@ def test_library_never_imports_stages() -> None:
             assert not any(n == "stages" or n.startswith("stages.") for n in names), path
 
 
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Each expman module and the expman modules it imports, at the top or inside a function."""
+    files = {_module_name(path): path for path in (REPO / "expman").rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                imported.add(node.module)  # expman uses absolute imports only
+                imported.update(f"{node.module}.{alias.name}" for alias in node.names)
+        graph[name] = {module for module in imported if module in files and module != name}
+    return graph
+
+
+def test_no_import_circle() -> None:
+    graph = _import_graph()
+    assert "expman.data.generate" in graph["expman.evaluation.evaluate"]  # the graph sees the imports
+    done: set[str] = set()
+
+    def visit(module: str, chain: list[str]) -> None:
+        if module in chain:
+            raise AssertionError("import circle: " + " -> ".join([*chain[chain.index(module) :], module]))
+        if module not in done:
+            for imported in sorted(graph[module]):
+                visit(imported, [*chain, module])
+            done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
+
+
+def test_one_module_talks_to_mlflow_and_one_to_vllm() -> None:
+    """MLflow runs and registry writes live in registry/tracking.py (the registry reader talks SQL and REST);
+    vLLM lives in engines/vllm.py."""
+    owners = {"mlflow": {"expman/registry/tracking.py"}, "vllm": {"expman/engines/vllm.py"}}
+    found: dict[str, set[str]] = {package: set() for package in owners}
+    for path in (REPO / "expman").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            modules = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom):
+                modules = [node.module or ""]
+            for package in owners:
+                if any(m.split(".")[0] == package for m in modules):
+                    found[package].add(str(path.relative_to(REPO)))
+    assert found == owners
+
+
+STAGE_MODULES = (  # where each stage's function lives (stages/<stage>.py calls it)
+    "data/verifier.py",
+    "data/generate.py",
+    "data/extract.py",
+    "data/vocab.py",
+    "training/baseline.py",
+    "training/train.py",
+    "evaluation/evaluate.py",
+    "evaluation/benchmark.py",
+    "registry/register.py",
+)
+
+
+def test_stage_functions_read_as_steps() -> None:
+    """No function of a stage module runs over 60 lines: a stage is a short list of named steps."""
+    for module in STAGE_MODULES:
+        for node in ast.walk(ast.parse((REPO / "expman" / module).read_text())):
+            if isinstance(node, ast.FunctionDef):
+                assert node.end_lineno - node.lineno < 60, f"expman/{module}:{node.lineno} {node.name}"
+
+
 def test_dvc_outputs_are_the_library_paths() -> None:
     graph = yaml.safe_load((REPO / "dvc.yaml").read_text())
     stages = graph["stages"]
@@ -47,6 +122,8 @@ def test_dvc_outputs_are_the_library_paths() -> None:
         preset = {"presets/${preset}.yaml": [stage]}
         assert spec["params"] == [stage, preset], "each stage declares only its own section (and its preset's)"
         assert f"stages/{stage}.py" in spec["deps"]
+        code = [dep for dep in spec["deps"] if dep.startswith("expman/")]
+        assert code and all((REPO / dep).is_file() for dep in code), f"{stage}: {code}"
 
 
 def test_help_does_not_import_heavy_libraries() -> None:

@@ -26,9 +26,9 @@ from typing import Any
 
 import pytest
 
-from expman.compare import EVALUATE_RUN_TAG
 from expman.provenance import sha256_file
-from expman.registry import DRAFTER_SHA_TAG
+from expman.registry.compare import EVALUATE_RUN_TAG
+from expman.registry.versions import DRAFTER_SHA_TAG
 from tests.registry_fixtures import _empty_store, log_evaluation, synthetic_evaluation, tiny_checkpoint
 from tests.servers import TELEMETRY_OFF, mlflow_server, postgres, s3_bucket, s3_client
 
@@ -57,9 +57,10 @@ def member(index: int, drafter: str, evaluate_run: str, barrier: Any, out: Path)
     """One team member: once all are ready, ROUNDS times register ``drafter`` as a new version with alias
     ``candidate``, then force-promote that version to ``champion``; write the moves it saw succeed to ``out``."""
     from expman.params import PromoteParams
-    from expman.promote import promote
-    from expman.registry import register_drafter
-    from expman.tracking import open_registry, stage_run
+    from expman.registry.promote import promote
+    from expman.registry.reader import open_registry
+    from expman.registry.tracking import stage_run
+    from expman.registry.versions import register_drafter
 
     barrier.wait()
     moves = []
@@ -80,7 +81,7 @@ def members(drafter: str, evaluate_run: str, folder: str) -> None:
     each member the 5 s of importing transformers and MLflow, which on 2 cores would stagger their start."""
     import multiprocessing
 
-    for module in ("mlflow", "expman.checkpoint", "expman.promote", "expman.registry"):
+    for module in ("mlflow", "expman.drafter.checkpoint", "expman.registry.promote", "expman.registry.versions"):
         importlib.import_module(module)
     context = multiprocessing.get_context("fork")  # no thread runs yet: nothing to inherit half-locked
     barrier = context.Barrier(MEMBERS)
@@ -177,7 +178,7 @@ def test_every_promotion_left_its_audit_tags(team: Team) -> None:
 
 
 def test_expman_readers_see_what_mlflow_sees(team: Team, monkeypatch: pytest.MonkeyPatch) -> None:
-    from expman.tracking import VersionRecord, open_registry
+    from expman.registry.reader import VersionRecord, open_registry
 
     client = _client(team)
     expected = []
@@ -223,7 +224,7 @@ def test_registered_files_round_trip_through_the_artifact_store(
     team: Team, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Each version's files went to the store the server proxies; a member downloads one as registered."""
-    from expman.tracking import download_version
+    from expman.registry.tracking import download_version
 
     stored = _stored_files(team)
     assert len([f for f in stored if f.endswith("/drafter/model.safetensors")]) == VERSIONS

@@ -14,27 +14,19 @@ import yaml
 from safetensors.torch import load_file
 
 from expman import paths
-from expman import train as train_module
-from expman.checkpoint import load_drafter
+from expman.drafter.checkpoint import load_drafter
+from expman.drafter.objective import VerifierHead
 from expman.errors import ExpmanError
-from expman.objective import VerifierHead
 from expman.params import load_params
+from expman.paths import TrainPaths
 from expman.plots import read_table
-from expman.train import train
+from expman.training import train as train_module
+from expman.training.train import train
 from tests.test_pipeline import run_until
 
 
 def run_train() -> dict:
-    return train(
-        load_params("params.yaml").train,
-        paths.VERIFIER,
-        paths.EXTRACT,
-        paths.VOCAB,
-        paths.DRAFTER,
-        paths.TRAIN_STATE,
-        paths.TRAIN_METRICS,
-        curves=paths.TRAIN_PLOTS,
-    )
+    return train(load_params("params.yaml").train, TrainPaths.default())
 
 
 def test_train_outputs_and_curves(project: Path) -> None:
@@ -335,7 +327,7 @@ def test_two_hosts_meet_at_a_rendezvous_and_match_one_process(project: Path) -> 
 
 CRASHING_TRAIN = """
 import runpy, sys
-from expman import train
+from expman.training import train
 real, calls = train.ttt_loss, []
 def crash(*args, **kwargs):
     calls.append(1)
@@ -388,9 +380,9 @@ def test_norm_before_residual_is_a_recipe_choice_the_export_records(project: Pat
 def test_an_eagle_baseline_without_norm_before_residual_imports_as_the_engines_read_it(project: Path) -> None:
     """An AQ-MedAI-style EAGLE baseline (no norm_before_residual, no recorded convention): imported as False, the
     value vLLM and SGLang read for that format, written out and recorded on the registered version."""
-    from expman.baseline import baseline
-    from expman.checkpoint import export_eagle
-    from expman.tracking import open_registry
+    from expman.drafter.checkpoint import export_eagle
+    from expman.registry.reader import open_registry
+    from expman.training.baseline import baseline
 
     run_until("vocab")
     params = yaml.safe_load((project / "params.yaml").read_text())
@@ -403,15 +395,7 @@ def test_an_eagle_baseline_without_norm_before_residual_imports_as_the_engines_r
     (project / "aq/config.json").write_text(json.dumps(config))
     params["baseline"].update(source="aq", layer_convention="vllm")
     (project / "params.yaml").write_text(yaml.safe_dump(params))
-    made = baseline(
-        load_params("params.yaml"),
-        paths.VERIFIER,
-        paths.EXTRACT,
-        paths.VOCAB,
-        paths.BASELINE,
-        paths.BASELINE_STATE,
-        paths.BASELINE_METRICS,
-    )
+    made = baseline(load_params("params.yaml"), TrainPaths.baseline())
     assert json.loads((project / paths.BASELINE / "config.json").read_text())["norm_before_residual"] is False
     tags = open_registry().version(made["registered"]["name"], made["registered"]["version"]).tags
     assert tags["expman.import.norm_before_residual"] == "false"

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from expman.data.extract import save_streamed
+from expman.data.shards import ShardSet
+from expman.drafter.objective import Packed
 from expman.errors import ExpmanError
-from expman.extract import save_streamed
-from expman.objective import Packed
 from expman.provenance import sha256_json
-from expman.shards import ShardSet
-from expman.train_data import BatchFeed, ShardReader, batch_plan, index_samples
+from expman.training.batches import BatchFeed, ShardReader, batch_plan, index_samples
 
 HIDDEN = 8
 

@@ -13,9 +13,9 @@ import transformers
 import yaml
 
 from expman import paths
+from expman.data.verifier import prepare
 from expman.errors import ExpmanError
 from expman.params import PrepareParams, load_params
-from expman.verifier import prepare
 
 REPO = Path(__file__).resolve().parents[1]
 SETTING = "trust_remote_code"

@@ -27,8 +27,8 @@ from typing import Any
 import pytest
 
 from expman.provenance import sha256_file, upstream_entry
-from expman.registry import register_drafter
-from expman.tracking import set_alias, stage_run
+from expman.registry.tracking import set_alias, stage_run
+from expman.registry.versions import register_drafter
 from tests.registry_fixtures import tiny_checkpoint, use_store
 from tests.servers import free_port, unavailable
 

@@ -9,9 +9,10 @@ import pytest
 import yaml
 
 from expman import paths
-from expman.generate import generate, read_responses
+from expman.data.generate import generate, read_responses
+from expman.data.verifier import prepare
 from expman.params import load_params
-from expman.verifier import prepare
+from expman.paths import GeneratePaths
 from tests.conftest import write_prompts
 
 REPO = Path(__file__).resolve().parents[1]
@@ -33,7 +34,7 @@ def test_vllm_and_hf_backends_agree_on_smollm2(tmp_path: Path, monkeypatch: pyte
         loaded = load_params("params.yaml")
         if backend == "hf":
             prepare(loaded, paths.VERIFIER)
-        generate(loaded, paths.VERIFIER, paths.GENERATED / backend)
+        generate(loaded, GeneratePaths(paths.VERIFIER, paths.GENERATED / backend))
         outputs[backend] = {r["id"]: r for r in read_responses(paths.GENERATED / backend, "train")}
     assert outputs["hf"].keys() == outputs["vllm"].keys()
     for record_id, hf in outputs["hf"].items():
@@ -60,7 +61,7 @@ def test_vllm_sampled_responses_are_seeded_per_conversation(tmp_path: Path, monk
     prepare(loaded, paths.VERIFIER)
     runs = []
     for name in ("first", "second"):
-        generate(loaded, paths.VERIFIER, paths.GENERATED / name)
+        generate(loaded, GeneratePaths(paths.VERIFIER, paths.GENERATED / name))
         runs.append({r["id"]: r["input_ids"] for r in read_responses(paths.GENERATED / name, "train")})
     assert runs[0] == runs[1]
     originals = [i for i in runs[0] if "~" not in i]

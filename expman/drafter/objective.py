@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from expman.drafter import Eagle3Drafter
+from expman.drafter.model import Eagle3Drafter
 from expman.errors import ExpmanError
 
 __all__ = ["Packed", "VerifierHead", "metric_values", "simulated_tau", "ttt_loss"]

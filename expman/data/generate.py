@@ -12,53 +12,29 @@ import json
 import time
 import zlib
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from expman.conversations import Conversation, read_dataset
+from expman.data.backend import Backend, GenOutput, Messages
+from expman.data.conversations import Conversation, read_dataset
+from expman.data.shards import ShardSet, remove_stale_temps, verify_shard
 from expman.errors import ExpmanError
 from expman.params import GenerateParams, Params
+from expman.paths import GeneratePaths
 from expman.provenance import read_manifest, sha256_json, upstream_entry
-from expman.shards import ShardSet, remove_stale_temps, verify_shard
-from expman.tracking import stage_run
+from expman.registry.tracking import stage_run
 
-__all__ = ["GenOutput", "generate", "read_responses"]
+__all__ = ["generate", "read_responses"]
 
-Messages = list[dict[str, str]]
 SHARD_COUNTS = ("records", "failed", "prompt_tokens", "response_tokens")
-
-
-@dataclass(frozen=True)
-class GenOutput:
-    """One generated reply: the prompt ids the engine saw, the generated ids (EOS included), the text."""
-
-    prompt_ids: list[int]
-    output_ids: list[int]
-    text: str
-    finish_reason: str
-
-
-class Backend(Protocol):
-    def generate(self, batch: Sequence[Messages], temperature: float, seeds: Sequence[int]) -> list[GenOutput]:
-        """One reply per conversation of ``batch``, at ``temperature`` (0 = greedy); ``seeds`` has one seed per
-        conversation for engines that seed each request."""
-        ...
-
-    def complete(
-        self, prompts: Sequence[list[int]], temperature: float, seeds: Sequence[int], max_new_tokens: int
-    ) -> list[GenOutput]:
-        """Continue token-id prompts (no chat template applied), each up to its end of turn."""
-        ...
-
-    def close(self) -> None: ...
 
 
 class HFBackend:
     """Batched greedy (or sampled) generation with transformers; left padding, one prompt length bucket per batch."""
 
     def __init__(self, model_dir: Path, params: GenerateParams):
-        from expman.verifier import load_tokenizer, load_verifier, resolve_device, resolve_dtype
+        from expman.data.verifier import load_tokenizer, load_verifier, resolve_device, resolve_dtype
 
         self.params = params
         self.device = resolve_device(params.device)
@@ -120,7 +96,7 @@ class HFBackend:
 
 def _make_backend(model_dir: Path, params: GenerateParams) -> Backend:
     if params.backend == "vllm":
-        from expman.vllm_engine import VllmGenerator
+        from expman.engines.vllm import VllmGenerator
 
         return VllmGenerator(model_dir, params)
     return HFBackend(model_dir, params)
@@ -179,8 +155,8 @@ def _self_prompts(
     their plan is unchanged); return the backend, if one had to be started, and the prompts' manifest entry."""
     import torch
 
-    from expman.self_prompts import PromptFilter, user_turn_prefix, write_prompts
-    from expman.verifier import load_tokenizer
+    from expman.data.self_prompts import PromptFilter, user_turn_prefix, write_prompts
+    from expman.data.verifier import load_tokenizer
 
     wanted = section.self_prompts
     heldout = [turn for c in conversations.get("heldout", []) for turn in c.user_turns]
@@ -232,23 +208,60 @@ def _write_jsonl(records: list[dict[str, Any]]) -> Any:
     return write
 
 
-def generate(params: Params, verifier_dir: Path, out_dir: Path) -> dict[str, Any]:
-    """Regenerate responses for every dataset of ``params.generate`` into ``out_dir/<split>/shard-*.jsonl``."""
-    import torch
-    from tqdm import tqdm
-
-    section = params.generate
-    root = Path.cwd()
-    verifier_manifest = read_manifest(verifier_dir / "manifest.json", "prepare")
+def _read_conversations(section: GenerateParams) -> dict[str, list[Conversation]]:
+    """Every dataset's conversations by split; an id may appear once across all of them."""
     conversations: dict[str, list[Conversation]] = {}
     seen: dict[str, str] = {}
     for spec in section.datasets:
-        for conversation in read_dataset(spec, root, section.max_turns):
+        for conversation in read_dataset(spec, Path.cwd(), section.max_turns):
             if conversation.id in seen:
                 raise ExpmanError(f"{spec.path}: id {conversation.id!r} also appears in {seen[conversation.id]}")
             seen[conversation.id] = spec.path
             conversations.setdefault(spec.split, []).append(conversation)
-    upstream = {"prepare": upstream_entry(verifier_dir / "manifest.json", verifier_manifest)}
+    return conversations
+
+
+def _write_split(
+    where: GeneratePaths, split: str, items: list[Conversation], section: GenerateParams, settings: dict, backend, bar
+) -> tuple[dict[str, Any], int, Backend | None]:
+    """The shards of one split, each regenerated unless done under the same plan key; the split's manifest entry,
+    the tokens generated now and the backend (started on the first shard that needs it)."""
+    import torch
+
+    shards = ShardSet(where.out / split)
+    entries = []
+    new_tokens = 0
+    for index, start in enumerate(range(0, len(items), section.shard_size)):
+        chunk = items[start : start + section.shard_size]
+        name = f"shard-{index:05d}.jsonl"
+        key = sha256_json({"settings": settings, "conversations": [asdict(c) for c in chunk]})
+        entry = shards.done(name, key)
+        if entry is None:
+            backend = backend or _make_backend(where.verifier, section)
+            torch.manual_seed(section.seed + index)  # sampling replays the same after a resume
+            records = _regenerate(backend, chunk, section)
+            facts = {
+                "records": len(records),
+                "failed": sum(not r["ok"] for r in records),
+                "prompt_tokens": sum(r["prompt_tokens"] for r in records),
+                "response_tokens": sum(r["response_tokens"] for r in records),
+            }
+            entry = shards.write(name, key, _write_jsonl(records), **facts)
+            new_tokens += facts["response_tokens"]
+        entries.append(entry)
+        bar.update(len(chunk))
+    shards.remove_others({e["path"] for e in entries})
+    return {"shards": entries, **{k: sum(e[k] for e in entries) for k in SHARD_COUNTS}}, new_tokens, backend
+
+
+def generate(params: Params, where: GeneratePaths) -> dict[str, Any]:
+    """Regenerate responses for every dataset of ``params.generate`` into ``where.out/<split>/shard-*.jsonl``."""
+    from tqdm import tqdm
+
+    section = params.generate
+    verifier_manifest = read_manifest(where.verifier / "manifest.json", "prepare")
+    conversations = _read_conversations(section)
+    upstream = {"prepare": upstream_entry(where.verifier / "manifest.json", verifier_manifest)}
     settings = {
         "verifier_weights": verifier_manifest["verifier"]["weights_sha256"],
         "tokenizer": verifier_manifest["verifier"]["tokenizer_sha256"],
@@ -260,43 +273,18 @@ def generate(params: Params, verifier_dir: Path, out_dir: Path) -> dict[str, Any
         backend: Backend | None = None
         self_prompted: dict[str, Any] | None = None
         if section.self_prompts.count:
-            backend, self_prompted = _self_prompts(verifier_dir, section, settings, conversations, out_dir)
+            backend, self_prompted = _self_prompts(where.verifier, section, settings, conversations, where.out)
             run.log_metrics(_self_prompt_metrics(self_prompted))
         originals = conversations.get("train", [])
         for k in range(1, section.sampled_responses + 1):  # after the originals: their shards stay as they were
             conversations["train"] = conversations["train"] + [c.sampled(k) for c in originals]
         splits: dict[str, Any] = {}
-        total = sum(len(c) for c in conversations.values())
         started = time.perf_counter()
         new_tokens = 0
-        with tqdm(total=total, desc="generate", unit="conv") as bar:
+        with tqdm(total=sum(len(c) for c in conversations.values()), desc="generate", unit="conv") as bar:
             for split, items in conversations.items():
-                shards = ShardSet(out_dir / split)
-                entries = []
-                for index, start in enumerate(range(0, len(items), section.shard_size)):
-                    chunk = items[start : start + section.shard_size]
-                    name = f"shard-{index:05d}.jsonl"
-                    key = sha256_json({"settings": settings, "conversations": [asdict(c) for c in chunk]})
-                    entry = shards.done(name, key)
-                    if entry is None:
-                        backend = backend or _make_backend(verifier_dir, section)
-                        torch.manual_seed(section.seed + index)  # sampling replays the same after a resume
-                        records = _regenerate(backend, chunk, section)
-                        facts = {
-                            "records": len(records),
-                            "failed": sum(not r["ok"] for r in records),
-                            "prompt_tokens": sum(r["prompt_tokens"] for r in records),
-                            "response_tokens": sum(r["response_tokens"] for r in records),
-                        }
-                        entry = shards.write(name, key, _write_jsonl(records), **facts)
-                        new_tokens += facts["response_tokens"]
-                    entries.append(entry)
-                    bar.update(len(chunk))
-                shards.remove_others({e["path"] for e in entries})
-                splits[split] = {
-                    "shards": entries,
-                    **{k: sum(e[k] for e in entries) for k in SHARD_COUNTS},
-                }
+                splits[split], tokens, backend = _write_split(where, split, items, section, settings, backend, bar)
+                new_tokens += tokens
         if backend is not None:
             backend.close()
         elapsed = time.perf_counter() - started
@@ -307,8 +295,8 @@ def generate(params: Params, verifier_dir: Path, out_dir: Path) -> dict[str, Any
         facts = {"backend": section.backend, "verifier": verifier_manifest["verifier"], "splits": splits}
         if self_prompted is not None:
             facts["self_prompts"] = self_prompted
-        remove_stale_temps(out_dir / "manifest.json")  # left by a kill during an earlier write
-        return run.write_manifest(out_dir / "manifest.json", facts)
+        remove_stale_temps(where.out / "manifest.json")  # left by a kill during an earlier write
+        return run.write_manifest(where.out / "manifest.json", facts)
 
 
 def read_responses(generated_dir: Path, split: str, verify: bool = True) -> list[dict[str, Any]]:

@@ -15,7 +15,7 @@ from typing import Any
 from expman.errors import ExpmanError
 from expman.params import Params, resolve_package_file
 from expman.provenance import atomic_dir, read_manifest, sha256_file
-from expman.tracking import stage_run
+from expman.registry.tracking import stage_run
 
 __all__ = [
     "layer_split",

@@ -19,12 +19,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from expman.data.generate import read_responses
+from expman.data.shards import ShardSet, remove_stale_temps, verify_shard
 from expman.errors import ExpmanError
-from expman.generate import read_responses
 from expman.params import ExtractParams, Params
+from expman.paths import ExtractPaths
 from expman.provenance import read_manifest, sha256_json, upstream_entry
-from expman.shards import ShardSet, remove_stale_temps, verify_shard
-from expman.tracking import stage_run
+from expman.registry.tracking import stage_run
 
 __all__ = [
     "CaptureHooks",
@@ -314,26 +315,52 @@ def _plan(records: list[dict[str, Any]], max_seq_len: int) -> list[dict[str, Any
     return sorted(samples, key=lambda s: (-len(s["ids"]), s["id"]))
 
 
-def extract(params: Params, verifier_dir: Path, generated_dir: Path, out_dir: Path) -> dict[str, Any]:
-    """Write shards to ``params.extract.shard_dir`` and ``out_dir/manifest.json``."""
-    from tqdm import tqdm
-
-    from expman.verifier import load_verifier, resolve_device, resolve_dtype
-
-    section = params.extract
-    verifier_manifest = read_manifest(verifier_dir / "manifest.json", "prepare")
-    generated_manifest = read_manifest(generated_dir / "manifest.json", "generate")
+def _read_inputs(section: ExtractParams, where: ExtractPaths) -> tuple[dict, list[dict], list[dict], dict]:
+    """The capture contract, the responses, the planned samples and the upstream entries."""
+    verifier_manifest = read_manifest(where.verifier / "manifest.json", "prepare")
+    generated_manifest = read_manifest(where.generated / "manifest.json", "generate")
     if generated_manifest["verifier"] != verifier_manifest["verifier"]:
-        raise ExpmanError(f"{generated_dir / 'manifest.json'}: responses come from another verifier; rerun generate")
+        raise ExpmanError(f"{where.generated / 'manifest.json'}: responses come from another verifier; rerun generate")
     contract = capture_contract(verifier_manifest["verifier"], section)
-    records = read_responses(generated_dir, section.split)
+    records = read_responses(where.generated, section.split)
     samples = _plan(records, section.max_seq_len)
     if not samples:
-        raise ExpmanError(f"{generated_dir / 'manifest.json'}: no usable {section.split!r} responses to extract")
+        raise ExpmanError(f"{where.generated / 'manifest.json'}: no usable {section.split!r} responses to extract")
     upstream = {
-        "prepare": upstream_entry(verifier_dir / "manifest.json", verifier_manifest),
-        "generate": upstream_entry(generated_dir / "manifest.json", generated_manifest),
+        "prepare": upstream_entry(where.verifier / "manifest.json", verifier_manifest),
+        "generate": upstream_entry(where.generated / "manifest.json", generated_manifest),
     }
+    return contract, records, samples, upstream
+
+
+def _totals(entries: list[dict], samples: list[dict], records: list[dict], hidden_size: int) -> tuple[dict, dict]:
+    """The manifest's totals (samples, tokens, what was cut or skipped) and its storage report."""
+    tokens = sum(e["tokens"] for e in entries)
+    stored = sum(e["bytes"] for e in entries)
+    storage = {
+        "bytes": stored,
+        "bytes_per_token": stored / tokens,
+        "hidden_bytes_per_token": 4 * hidden_size * 2,
+        "ratio_to_hidden": stored / tokens / (4 * hidden_size * 2),
+    }
+    totals = {
+        "samples": len(samples),
+        "tokens": tokens,
+        "loss_tokens": sum(e["loss_tokens"] for e in entries),
+        "truncated": sum(s["truncated"] for s in samples),
+        "skipped_prompt_too_long": len(records) - len(samples),
+    }
+    return totals, storage
+
+
+def extract(params: Params, where: ExtractPaths) -> dict[str, Any]:
+    """Write shards to ``params.extract.shard_dir`` and ``where.out/manifest.json``."""
+    from tqdm import tqdm
+
+    from expman.data.verifier import load_verifier, resolve_device, resolve_dtype
+
+    section = params.extract
+    contract, records, samples, upstream = _read_inputs(section, where)
     shard_dir = Path(section.shard_dir)
     shards = ShardSet(shard_dir)
     device = resolve_device(section.device)
@@ -342,7 +369,7 @@ def extract(params: Params, verifier_dir: Path, generated_dir: Path, out_dir: Pa
 
         def capture() -> CaptureHooks:
             if not loaded:
-                model = load_verifier(verifier_dir, device, resolve_dtype(section.dtype, device), section.gpus)
+                model = load_verifier(where.verifier, device, resolve_dtype(section.dtype, device), section.gpus)
                 loaded.append(CaptureHooks(model, contract["aux_layers"], section.final_state))
             return loaded[0]
 
@@ -352,22 +379,7 @@ def extract(params: Params, verifier_dir: Path, generated_dir: Path, out_dir: Pa
             entries, computed_tokens = write_shards(capture, samples, section, contract, shards, device, bar.update)
         elapsed = time.perf_counter() - started
         shards.remove_others({e["path"] for e in entries})
-        tokens = sum(e["tokens"] for e in entries)
-        stored = sum(e["bytes"] for e in entries)
-        hidden_size = contract["verifier"]["hidden_size"]
-        storage = {
-            "bytes": stored,
-            "bytes_per_token": stored / tokens,
-            "hidden_bytes_per_token": 4 * hidden_size * 2,
-            "ratio_to_hidden": stored / tokens / (4 * hidden_size * 2),
-        }
-        totals = {
-            "samples": len(samples),
-            "tokens": tokens,
-            "loss_tokens": sum(e["loss_tokens"] for e in entries),
-            "truncated": sum(s["truncated"] for s in samples),
-            "skipped_prompt_too_long": len(records) - len(samples),
-        }
+        totals, storage = _totals(entries, samples, records, contract["verifier"]["hidden_size"])
         metrics = {**totals, **{f"storage.{k}": v for k, v in storage.items()}}
         if computed_tokens:
             metrics["extract_tok_per_s"] = computed_tokens / elapsed
@@ -381,8 +393,8 @@ def extract(params: Params, verifier_dir: Path, generated_dir: Path, out_dir: Pa
             "totals": totals,
             "storage": storage,
         }
-        remove_stale_temps(out_dir / "manifest.json")  # left by a kill during an earlier write
-        return run.write_manifest(out_dir / "manifest.json", facts)
+        remove_stale_temps(where.out / "manifest.json")  # left by a kill during an earlier write
+        return run.write_manifest(where.out / "manifest.json", facts)
 
 
 def load_shard(manifest: dict[str, Any], index: int, verify: bool = True) -> dict[str, Any]:

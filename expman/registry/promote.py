@@ -2,8 +2,8 @@
 section, and leave the audit trail on the version.
 
 Gates, read from the version's own evaluation at ``promote.k`` (default: its largest k):
-- ``tau_gain``: tau(version) - tau(baseline), paired by prompt (see expman.compare), must exceed ``min_tau_gain``;
-  without a baseline measurement the gate fails: "better than the baseline" cannot be shown.
+- ``tau_gain``: tau(version) - tau(baseline), paired by prompt (see expman.registry.compare), must exceed
+  ``min_tau_gain``; without a baseline measurement the gate fails: "better than the baseline" cannot be shown.
 - ``speedup``: tok/s(version) / tok/s(no speculation) of the same run must exceed ``min_speedup`` on ``target``.
 - ``greedy_equality``: every prompt's output equals plain greedy decoding, at every evaluated k.
 - ``integration_fault``: the version is not tagged ``expman.integration_fault=true``.
@@ -22,12 +22,13 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from expman.compare import compare
 from expman.errors import ExpmanError
 from expman.params import PromoteParams
-from expman.registry import INTEGRATION_FAULT_TAG, check_alias, resolve_model, resolve_version
-from expman.tables import text_table
-from expman.tracking import RegistryReader, VersionRecord, set_alias, set_version_tags
+from expman.registry.compare import compare
+from expman.registry.reader import RegistryReader, VersionRecord
+from expman.registry.tables import text_table
+from expman.registry.tracking import set_alias, set_version_tags
+from expman.registry.versions import INTEGRATION_FAULT_TAG, check_alias, resolve_model, resolve_version
 
 __all__ = ["Gate", "evaluate_gates", "promote", "render_gates"]
 

@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
+from expman.data.extract import TENSORS, load_shard
+from expman.drafter.objective import Packed
 from expman.errors import ExpmanError
-from expman.extract import TENSORS, load_shard
-from expman.objective import Packed
 
 __all__ = ["BatchFeed", "SampleRef", "ShardReader", "batch_plan", "index_samples", "split_samples"]
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from expman.data.backend import GenOutput, Messages
 from expman.errors import ExpmanError
-from expman.generate import GenOutput, Messages
 from expman.params import GenerateParams
 
 __all__ = ["EngineArm", "VllmGenerator", "run_vllm_arm", "vllm_version"]
@@ -34,7 +34,7 @@ class VllmGenerator:
     """Generation through ``vllm.LLM.chat`` with the verifier's chat template."""
 
     def __init__(self, model_dir: Path, params: GenerateParams):
-        from expman.verifier import load_verifier_manifest, resolve_device
+        from expman.data.verifier import load_verifier_manifest, resolve_device
 
         try:
             import vllm

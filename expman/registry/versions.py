@@ -6,7 +6,7 @@ load ``models:/<name>@champion`` in either format without a conversion step. Its
 promote need without opening the weights: ``expman.drafter.sha256``, lineage (``expman.upstream.<stage>.*``,
 ``git.sha``), the capture contract (``expman.contract.*``), the evaluation's numbers (``expman.metrics.*``) and
 the evaluate run (``expman.evaluate.run_id``). Models are named ``eagle3-<verifier slug>``; aliases are
-``baseline``, ``candidate`` and ``champion``. MLflow I/O goes through ``expman.tracking``.
+``baseline``, ``candidate`` and ``champion``. MLflow I/O goes through ``expman.registry.tracking``.
 """
 
 from __future__ import annotations
@@ -22,16 +22,8 @@ from typing import Any
 
 from expman.errors import ExpmanError
 from expman.provenance import atomic_dir, git_sha, sha256_file
-from expman.tracking import (
-    RegistryReader,
-    StageRun,
-    VersionRecord,
-    download_version,
-    lineage_tags,
-    register_version,
-    set_alias,
-    stage_run,
-)
+from expman.registry.reader import RegistryReader, VersionRecord
+from expman.registry.tracking import StageRun, download_version, lineage_tags, register_version, set_alias, stage_run
 
 __all__ = [
     "ALIASES",
@@ -96,7 +88,7 @@ def contract_tags(contract: Mapping[str, Any]) -> dict[str, str]:
 def norm_tags(config: Mapping[str, Any]) -> dict[str, str]:
     """The ``norm_before_residual`` an imported checkpoint's ``config`` gives, and whether it states it or the
     engines' default for its format filled it in, as version tags."""
-    from expman.checkpoint import norm_before_residual
+    from expman.drafter.checkpoint import norm_before_residual
 
     return {
         "expman.import.norm_before_residual": str(norm_before_residual(config)).lower(),
@@ -123,7 +115,7 @@ def register_drafter(
 
     The version folder gets the checkpoint as is plus its EAGLE export (``eagle/``, vLLM ids). Its tags are the
     weights' sha256, the git sha and the run's lineage, then ``tags``; finally ``alias`` (if any) moves to it."""
-    from expman.checkpoint import read_checkpoint, write_eagle
+    from expman.drafter.checkpoint import read_checkpoint, write_eagle
 
     _check_name(model_name)
     if alias is not None:
@@ -194,7 +186,7 @@ def import_drafter(path: Path, model_name: str, alias: str | None, layer_convent
     No verifier is needed: an EAGLE checkpoint has no embedding, and its canonical form has none either (engines
     take the verifier's). An EAGLE folder that does not record its layer-id convention needs ``layer_convention``.
     """
-    from expman.checkpoint import read_checkpoint, write_speculators
+    from expman.drafter.checkpoint import read_checkpoint, write_speculators
 
     _check_name(model_name)
     if alias is not None:
@@ -230,7 +222,7 @@ def export_version(
 ) -> VersionRecord:
     """Write a registered version to the new folder ``out`` (atomically): the speculators checkpoint as registered,
     or the EAGLE format with layer ids in ``convention`` (default vllm). A non-empty ``out`` is refused."""
-    from expman.checkpoint import read_checkpoint, write_eagle
+    from expman.drafter.checkpoint import read_checkpoint, write_eagle
 
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ExpmanError(f"{out}: exists and is not empty; export writes a new folder")

@@ -15,24 +15,25 @@ import sys
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from expman.checkpoint import save_speculators
-from expman.conversations import prompt_id
-from expman.drafter import DrafterConfig, Eagle3Drafter
+from expman.data.conversations import prompt_id
+from expman.data.shards import remove_stale_temps
+from expman.drafter.checkpoint import save_speculators
+from expman.drafter.model import DrafterConfig, Eagle3Drafter
+from expman.drafter.objective import Packed, VerifierHead, compiled_ttt_loss, metric_values, simulated_tau, ttt_loss
 from expman.errors import ExpmanError
-from expman.objective import Packed, VerifierHead, compiled_ttt_loss, metric_values, simulated_tau, ttt_loss
-from expman.parallel import DataParallel
 from expman.params import LAUNCH_KEYS, TrainParams
+from expman.paths import TrainPaths
 from expman.plots import TRAIN_FIGURE, train_figure, train_row, write_tables
 from expman.provenance import atomic_write, atomic_write_json, read_manifest, sha256_file, sha256_json, upstream_entry
-from expman.shards import remove_stale_temps
-from expman.tracking import StageRun, stage_run
-from expman.train_data import BatchFeed, SampleRef, ShardReader, batch_plan, index_samples, split_samples
+from expman.registry.tracking import StageRun, stage_run
+from expman.training.batches import BatchFeed, SampleRef, ShardReader, batch_plan, index_samples, split_samples
+from expman.training.parallel import DataParallel
 
 __all__ = ["new_optimizer", "train", "training_step"]
 
@@ -189,7 +190,7 @@ def incompatibilities(source: Eagle3Drafter, target: Eagle3Drafter) -> list[str]
 
 def start_from(drafter: Eagle3Drafter, section: TrainParams, head: VerifierHead) -> Eagle3Drafter:
     """Load ``train.finetune_from`` into ``drafter`` after the compatibility check; refuse naming what differs."""
-    from expman.checkpoint import load_drafter
+    from expman.drafter.checkpoint import load_drafter
 
     if not (Path(section.finetune_from) / "config.json").is_file():
         raise ExpmanError(
@@ -237,69 +238,65 @@ def _evaluate(drafter, head, reader: ShardReader, batches, section, device) -> d
     return result
 
 
-def train(
-    section: TrainParams,
-    verifier_dir: Path,
-    extract_dir: Path,
-    vocab_dir: Path,
-    out_dir: Path,
-    state_dir: Path,
-    metrics_path: Path,
-    stage: str = "train",
-    sample_share: float = 1.0,
-    finish: Callable[[StageRun, Path], dict[str, Any]] | None = None,
-    curves: Path | None = None,
-) -> dict[str, Any]:
-    """Train (or resume) the drafter; write the speculators-format checkpoint and manifest to ``out_dir``,
-    held-out metrics to ``metrics_path``, the training curves for ``dvc plots`` to ``curves`` (when given:
-    ``steps.csv`` per logging window, ``heldout.csv`` per epoch); resume state lives in ``state_dir``. The run
-    logs the curves as the figure ``figures/train.png``.
+@dataclass(frozen=True)
+class _Inputs:
+    """What train reads before it builds anything: the three input manifests (checked against each other), the
+    training and validation samples, and the upstream entries its manifest and MLflow run record (the drafter it
+    finetunes from is added once checked)."""
 
-    The baseline stage reuses this with its own ``stage`` name, a ``sample_share`` of the training samples and a
-    ``finish`` step (registration) that runs inside the same MLflow run and adds facts to the manifest."""
-    from safetensors.torch import load_file
+    verifier: dict[str, Any]
+    extract: dict[str, Any]
+    train_refs: list[SampleRef]
+    val_refs: list[SampleRef]
+    upstream: dict[str, Any]
 
-    from expman.verifier import resolve_device
 
+def _read_inputs(section: TrainParams, where: TrainPaths, sample_share: float) -> _Inputs:
     manifests = {
-        "prepare": (verifier_dir / "manifest.json", read_manifest(verifier_dir / "manifest.json", "prepare")),
-        "extract": (extract_dir / "manifest.json", read_manifest(extract_dir / "manifest.json", "extract")),
-        "vocab": (vocab_dir / "manifest.json", read_manifest(vocab_dir / "manifest.json", "vocab")),
+        "prepare": (where.verifier / "manifest.json", read_manifest(where.verifier / "manifest.json", "prepare")),
+        "extract": (where.extract / "manifest.json", read_manifest(where.extract / "manifest.json", "extract")),
+        "vocab": (where.vocab / "manifest.json", read_manifest(where.vocab / "manifest.json", "vocab")),
     }
     _check_inputs(*(m for _, m in manifests.values()), tuple(p for p, _ in manifests.values()))
     extract_manifest = manifests["extract"][1]
-    contract = extract_manifest["contract"]
     # by prompt: the sampled copies of a prompt go where the prompt goes, so validation never sees a trained prompt
     train_refs, val_refs = split_samples(index_samples(extract_manifest), section.val_fraction, sample_share, prompt_id)
     if not train_refs:
-        raise ExpmanError(f"{extract_dir / 'manifest.json'}: no training samples left after the validation split")
-    device = resolve_device(section.device)
-    parallel = DataParallel.from_env(device, section.fsdp)
-    vocab = load_file(str(vocab_dir / "vocab.safetensors"))
-    head = VerifierHead.load(verifier_dir, vocab["t2d"])
-    drafter = _new_drafter(verifier_dir, head, contract, vocab, section)
+        raise ExpmanError(f"{where.extract / 'manifest.json'}: no training samples left after the validation split")
+    upstream = {name: upstream_entry(path, manifest) for name, (path, manifest) in manifests.items()}
+    return _Inputs(manifests["prepare"][1], extract_manifest, train_refs, val_refs, upstream)
+
+
+def _build_drafter(
+    section: TrainParams, where: TrainPaths, contract: dict, device: str, parallel: DataParallel
+) -> tuple[Any, VerifierHead]:
+    """The drafter (new, or started from ``train.finetune_from``) sharded onto ``device``, and the verifier's head."""
+    from safetensors.torch import load_file
+
+    vocab = load_file(str(where.vocab / "vocab.safetensors"))
+    head = VerifierHead.load(where.verifier, vocab["t2d"])
+    drafter = _new_drafter(where.verifier, head, contract, vocab, section)
     if section.finetune_from:
         drafter = start_from(drafter, section, head)
     compute_dtype = torch.bfloat16 if autocasts(section, device) else None
     drafter = parallel.shard(drafter.to(device), device, compute_dtype)
     if compiles(section, device):
         drafter.use_flex_attention()
-    head = head.to(device, compute_dtype)
-    per_step = section.accumulate * parallel.world  # micro-batches of one optimizer step on all processes
-    plans = [
-        _steps(batch_plan(train_refs, section.max_tokens, section.seed, epoch, section.shard_window), per_step)
+    return drafter, head.to(device, compute_dtype)
+
+
+def _plans(section: TrainParams, refs: list[SampleRef], parallel: DataParallel) -> list[list[list[SampleRef]]]:
+    """Per epoch, the optimizer steps' groups of micro-batches (``accumulate`` per process, on all processes)."""
+    per_step = section.accumulate * parallel.world
+    return [
+        _steps(batch_plan(refs, section.max_tokens, section.seed, epoch, section.shard_window), per_step)
         for epoch in range(section.epochs)
     ]
-    total_steps = sum(len(p) for p in plans)
-    optimizer, scheduler = new_optimizer(drafter, section, total_steps)
-    noise = torch.Generator(device=device).manual_seed(section.seed + parallel.rank)
-    upstream = {name: upstream_entry(path, manifest) for name, (path, manifest) in manifests.items()}
-    if section.finetune_from:
-        upstream["finetune_from"] = {
-            "manifest": section.finetune_from,
-            "manifest_sha256": sha256_file(Path(section.finetune_from) / "model.safetensors"),
-        }
-    plan_key = sha256_json(
+
+
+def _plan_key(section: TrainParams, parallel: DataParallel, sample_share: float, upstream: dict[str, Any]) -> str:
+    """What a resume state must have been planned with to be resumed: params, world size, sample share, inputs."""
+    return sha256_json(
         {
             "params": section.model_dump(exclude=LAUNCH_KEYS),
             "world": parallel.world,
@@ -307,19 +304,87 @@ def train(
             "upstream": {k: v["manifest_sha256"] for k, v in upstream.items()},
         }
     )
-    tables = [] if curves is None else [curves / "steps.csv", curves / "heldout.csv"]
-    for path in (state_dir / "state.pt", out_dir, metrics_path, *tables):
-        remove_stale_temps(path)  # what a kill during an atomic write left beside it
-    step, history = _resume(state_dir, plan_key, drafter, optimizer, scheduler, noise, parallel, device)
-    reader = ShardReader(extract_manifest)
+
+
+def _remove_stale_temps(where: TrainPaths) -> None:
+    """What a kill during an atomic write left beside each output."""
+    tables = [] if where.plots is None else [where.plots / "steps.csv", where.plots / "heldout.csv"]
+    for path in (where.state / "state.pt", where.out, where.metrics, *tables):
+        remove_stale_temps(path)
+
+
+def _write_outputs(
+    run: StageRun,
+    loop: _Loop,
+    drafter: Any,
+    final: dict[str, float],
+    inputs: _Inputs,
+    where: TrainPaths,
+    finish: Callable[[StageRun, Path], dict[str, Any]] | None,
+) -> dict[str, Any]:
+    """The checkpoint, held-out metrics, plot tables and figure; ``finish``'s facts; the manifest."""
+    section = loop.section
+    save_speculators(
+        drafter.cpu(),
+        where.out,
+        str(where.verifier),
+        [inputs.verifier["verifier"]["architecture"]],
+        speculative_tokens=section.ttt_steps,
+    )
+    metrics = {"train_samples": len(inputs.train_refs), "val_samples": len(inputs.val_refs), "steps": loop.step}
+    metrics |= final
+    atomic_write_json(where.metrics, metrics)
+    if where.plots is not None:
+        write_tables(where.plots, {"steps": loop.history["steps"], "heldout": loop.history["heldout"]})
+    run.log_figure(train_figure(loop.history["steps"], loop.history["heldout"], loop.stage), TRAIN_FIGURE)
+    contract = inputs.extract["contract"]
+    facts = {"contract": contract, "draft_vocab_size": drafter.config.draft_vocab_size, "metrics": metrics}
+    if finish is not None:
+        facts.update(finish(run, where.out))
+    return run.write_manifest(where.out / "manifest.json", facts)
+
+
+def train(
+    section: TrainParams,
+    where: TrainPaths,
+    stage: str = "train",
+    sample_share: float = 1.0,
+    finish: Callable[[StageRun, Path], dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """Train (or resume) the drafter; write the speculators-format checkpoint and manifest to ``where.out``,
+    held-out metrics to ``where.metrics``, the training curves for ``dvc plots`` to ``where.plots`` (when given:
+    ``steps.csv`` per logging window, ``heldout.csv`` per epoch); resume state lives in ``where.state``. The run
+    logs the curves as the figure ``figures/train.png``.
+
+    The baseline stage reuses this with its own ``stage`` name, a ``sample_share`` of the training samples and a
+    ``finish`` step (registration) that runs inside the same MLflow run and adds facts to the manifest."""
+    from expman.data.verifier import resolve_device
+
+    inputs = _read_inputs(section, where, sample_share)
+    device = resolve_device(section.device)
+    parallel = DataParallel.from_env(device, section.fsdp)
+    drafter, head = _build_drafter(section, where, inputs.extract["contract"], device, parallel)
+    if section.finetune_from:  # an input too, once start_from has checked it is a drafter
+        inputs.upstream["finetune_from"] = {
+            "manifest": section.finetune_from,
+            "manifest_sha256": sha256_file(Path(section.finetune_from) / "model.safetensors"),
+        }
+    plans = _plans(section, inputs.train_refs, parallel)
+    optimizer, scheduler = new_optimizer(drafter, section, sum(len(p) for p in plans))
+    noise = torch.Generator(device=device).manual_seed(section.seed + parallel.rank)
+    plan_key = _plan_key(section, parallel, sample_share, inputs.upstream)
+    _remove_stale_temps(where)
+    step, history = _resume(where.state, plan_key, drafter, optimizer, scheduler, noise, parallel, device)
+    reader = ShardReader(inputs.extract)
+    val_refs = inputs.val_refs
     val_batches = (
         batch_plan(val_refs, section.max_tokens, section.seed, VAL_EPOCH, section.shard_window) if val_refs else []
     )
     logged = section.model_dump() | ({"sample_share": sample_share} if sample_share < 1 else {})
     loop = _Loop(section, device, parallel, drafter, head, optimizer, scheduler, noise, reader, stage, history)
     try:
-        with stage_run(stage, logged, upstream) if parallel.main else nullcontext() as run:
-            final = loop.run(run, plans, step, val_batches, state_dir, plan_key)
+        with stage_run(stage, logged, inputs.upstream) if parallel.main else nullcontext() as run:
+            final = loop.run(run, plans, step, val_batches, where.state, plan_key)
             weights = parallel.model_state(drafter)
             if not parallel.main:
                 parallel.close()  # waits until the main process has written every output
@@ -327,22 +392,7 @@ def train(
             if parallel.sharded:
                 drafter = Eagle3Drafter(drafter.config)
                 drafter.load_state_dict(weights)
-            save_speculators(
-                drafter.cpu(),
-                out_dir,
-                str(verifier_dir),
-                [manifests["prepare"][1]["verifier"]["architecture"]],
-                speculative_tokens=section.ttt_steps,
-            )
-            metrics = {"train_samples": len(train_refs), "val_samples": len(val_refs), "steps": loop.step, **final}
-            atomic_write_json(metrics_path, metrics)
-            if curves is not None:
-                write_tables(curves, {"steps": loop.history["steps"], "heldout": loop.history["heldout"]})
-            run.log_figure(train_figure(loop.history["steps"], loop.history["heldout"], stage), TRAIN_FIGURE)
-            facts = {"contract": contract, "draft_vocab_size": drafter.config.draft_vocab_size, "metrics": metrics}
-            if finish is not None:
-                facts.update(finish(run, out_dir))
-            manifest = run.write_manifest(out_dir / "manifest.json", facts)
+            manifest = _write_outputs(run, loop, drafter, final, inputs, where, finish)
     finally:
         reader.close()
     parallel.close()
@@ -350,7 +400,7 @@ def train(
 
 
 def _feed(reader: ShardReader, plan: list[list[SampleRef]], section: TrainParams, device: str, pad_to=None):
-    """The packed batches of ``plan`` in order, read and packed off this thread (see ``expman.train_data``)."""
+    """The packed batches of ``plan`` in order, read and packed off this thread (see ``expman.training.batches``)."""
     return BatchFeed(
         reader, plan, section.max_tokens, device, pad_to, prefetch=section.prefetch, resident=2 * section.shard_window
     )
@@ -368,6 +418,7 @@ class _Loop:
         self.drafter, self.head, self.optimizer, self.scheduler, self.noise = drafter, head, optimizer, scheduler, noise
         self.reader, self.stage, self.history = reader, stage, history
         self.step, self.tokens, self.started = 0, 0, time.perf_counter()
+        self.epoch_tokens, self.epoch_started, self.warm = 0, self.started, False
 
     def run(self, run, plans, step, val_batches, state_dir: Path, plan_key: str) -> dict[str, float]:
         """Train from ``step`` to the end of ``plans`` (per epoch, the optimizer steps' micro-batch groups);
@@ -377,19 +428,12 @@ class _Loop:
         section, parallel = self.section, self.parallel
         self.step = step
         total_steps = sum(len(p) for p in plans)
-        epoch_starts = [sum(len(p) for p in plans[:epoch]) for epoch in range(len(plans))]
-        todo = [
-            (epoch, group) for epoch, steps in enumerate(plans) for group in steps[max(0, step - epoch_starts[epoch]) :]
-        ]
-        mine = [
-            (parallel.share(group, section.accumulate), parallel.fillers(group, section.accumulate))
-            for _, group in todo
-        ]
+        todo, mine = self._remaining(plans, step)
         pad_to = section.max_tokens if compiles(section, self.device) else None
         feed = _feed(self.reader, [refs for own, fill in mine for refs in own + fill], section, self.device, pad_to)
         batches = iter(feed)
         final: dict[str, float] = {}
-        epoch_tokens, epoch_started, warm = 0, time.perf_counter(), False
+        self.epoch_tokens, self.epoch_started, self.warm = 0, time.perf_counter(), False
         bar = tqdm(total=total_steps, initial=step, desc=self.stage, unit="step", disable=not parallel.main)
         try:
             for index, ((epoch, group), (own, fill)) in enumerate(zip(todo, mine, strict=True)):
@@ -407,32 +451,17 @@ class _Loop:
                     [next(batches) for _ in fill],
                 )
                 self.step += 1
-                if not warm:  # the first step compiles (on CUDA): rates are timed from its end
-                    self._synchronize()
-                    epoch_tokens, epoch_started, warm = 0, time.perf_counter(), True
-                    self.tokens, self.started = 0, epoch_started
-                else:
-                    tokens = _tokens(group, section.max_tokens)
-                    epoch_tokens += tokens
-                    self.tokens += tokens
+                self._count_tokens(group)
                 epoch_ends = index + 1 == len(todo) or todo[index + 1][0] != epoch
                 if epoch_ends:  # the epoch's rate, before its last resume state is written
-                    self._synchronize()
-                    seconds = time.perf_counter() - epoch_started
-                    if parallel.main and epoch_tokens:
-                        run.log_metrics({"epoch_tok_per_s": epoch_tokens / seconds}, step=epoch)
+                    self._log_epoch_rate(run, epoch)
                 if parallel.main:
                     self.history["window"].append(metrics)
                     bar.update(1)
                     if self.step % section.log_every == 0 or self.step == total_steps:
                         self._log_window(run)
                 if epoch_ends:
-                    if val_batches and (parallel.main or parallel.sharded):  # FSDP: every forward is a collective
-                        final = _evaluate(self.drafter, self.head, self.reader, val_batches, section, self.device)
-                        if parallel.main:
-                            run.log_metrics({f"val/{k}": v for k, v in final.items()}, step=self.step)
-                            self.history["heldout"].append(train_row(self.step, final, section.ttt_steps))
-                    epoch_tokens, epoch_started = 0, time.perf_counter()
+                    final = self._end_epoch(run, val_batches) or final
                 if self.step % section.checkpoint_every == 0 or self.step == total_steps:  # after what it records
                     self._checkpoint(state_dir, plan_key)
         finally:
@@ -440,6 +469,43 @@ class _Loop:
             bar.close()
         if val_batches and not final and (parallel.main or parallel.sharded):  # resumed after the last epoch ended
             final = _evaluate(self.drafter, self.head, self.reader, val_batches, section, self.device)
+        return final
+
+    def _remaining(self, plans, step: int) -> tuple[list, list]:
+        """The (epoch, group) of every step from ``step`` on, and per step this process's micro-batches and fillers."""
+        epoch_starts = [sum(len(p) for p in plans[:epoch]) for epoch in range(len(plans))]
+        todo = [
+            (epoch, group) for epoch, steps in enumerate(plans) for group in steps[max(0, step - epoch_starts[epoch]) :]
+        ]
+        accumulate = self.section.accumulate
+        return todo, [(self.parallel.share(g, accumulate), self.parallel.fillers(g, accumulate)) for _, g in todo]
+
+    def _count_tokens(self, group: list[list[SampleRef]]) -> None:
+        """The first step compiles (on CUDA): rates are timed from its end, so its tokens are not counted."""
+        if not self.warm:
+            self._synchronize()
+            self.epoch_tokens, self.epoch_started, self.warm = 0, time.perf_counter(), True
+            self.tokens, self.started = 0, self.epoch_started
+        else:
+            tokens = _tokens(group, self.section.max_tokens)
+            self.epoch_tokens += tokens
+            self.tokens += tokens
+
+    def _log_epoch_rate(self, run: StageRun, epoch: int) -> None:
+        self._synchronize()
+        seconds = time.perf_counter() - self.epoch_started
+        if self.parallel.main and self.epoch_tokens:
+            run.log_metrics({"epoch_tok_per_s": self.epoch_tokens / seconds}, step=epoch)
+
+    def _end_epoch(self, run: StageRun, val_batches) -> dict[str, float]:
+        """The held-out metrics after an epoch (empty without validation batches); the next epoch's rate starts."""
+        final: dict[str, float] = {}
+        if val_batches and (self.parallel.main or self.parallel.sharded):  # FSDP: every forward is a collective
+            final = _evaluate(self.drafter, self.head, self.reader, val_batches, self.section, self.device)
+            if self.parallel.main:
+                run.log_metrics({f"val/{k}": v for k, v in final.items()}, step=self.step)
+                self.history["heldout"].append(train_row(self.step, final, self.section.ttt_steps))
+        self.epoch_tokens, self.epoch_started = 0, time.perf_counter()
         return final
 
     def _synchronize(self) -> None:

@@ -16,12 +16,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-from expman.compare import compare, render_markdown, summary_metrics
 from expman.errors import ExpmanError
 from expman.params import RegisterParams
+from expman.paths import RegisterPaths
 from expman.provenance import read_manifest, sha256_file, upstream_entry
-from expman.registry import INTEGRATION_FAULT_TAG, contract_tags, register_drafter, registered_model_name
-from expman.tracking import StageRun, lineage_tags, open_registry, set_version_description, stage_run
+from expman.registry.compare import compare, render_markdown, summary_metrics
+from expman.registry.reader import open_registry
+from expman.registry.tracking import StageRun, lineage_tags, set_version_description, stage_run
+from expman.registry.versions import INTEGRATION_FAULT_TAG, contract_tags, register_drafter, registered_model_name
 
 __all__ = ["describe", "engine_tags", "register"]
 
@@ -96,58 +98,61 @@ def _log_figures(run: StageRun, curves_dir: Path, evaluation: dict[str, Any], be
         run.log_figure(figure, BENCHMARK_FIGURE)
 
 
-def register(
-    section: RegisterParams,
-    drafter_dir: Path,
-    evaluate_dir: Path,
-    benchmark_dir: Path,
-    verifier_dir: Path,
-    vocab_dir: Path,
-    curves_dir: Path,
-    out_path: Path,
-) -> dict[str, Any]:
-    """Register ``drafter_dir`` with the evaluation in ``evaluate_dir``, the engine benchmark in ``benchmark_dir``
-    and the training curves in ``curves_dir``; write ``out_path``; return its content."""
-    inputs = {
-        "prepare": verifier_dir,
-        "vocab": vocab_dir,
-        "train": drafter_dir,
-        "evaluate": evaluate_dir,
-        "benchmark": benchmark_dir,
-    }
-    manifests = {stage: read_manifest(folder / "manifest.json", stage) for stage, folder in inputs.items()}
-    evaluation_path = evaluate_dir / "evaluation.json"
-    evaluation = _read_evaluation(evaluation_path)
-    sha = sha256_file(drafter_dir / "model.safetensors")
+def _check_inputs(where: RegisterPaths, manifests: dict[str, Any], evaluation: dict[str, Any]) -> str:
+    """That the evaluation measured this drafter, and the benchmark this evaluation; the drafter's sha256."""
+    evaluation_path = where.evaluate / "evaluation.json"
+    sha = sha256_file(where.drafter / "model.safetensors")
     evaluated = ((evaluation.get("arms") or {}).get("candidate") or {}).get("sha256")
     if evaluated != sha:
         raise ExpmanError(
-            f"{evaluation_path}: evaluates another drafter (candidate sha256 {evaluated}), not {drafter_dir}; "
+            f"{evaluation_path}: evaluates another drafter (candidate sha256 {evaluated}), not {where.drafter}; "
             "rerun `dvc repro evaluate`"
         )
     measured = manifests["benchmark"]["provenance"]["upstream"]["evaluate"]["manifest_sha256"]
-    if measured != sha256_file(evaluate_dir / "manifest.json"):
-        where = benchmark_dir / "manifest.json"
-        raise ExpmanError(f"{where}: benchmarks another evaluation; rerun `dvc repro benchmark`")
-    benchmark = _read_evaluation(benchmark_dir / "benchmark.json")
+    if measured != sha256_file(where.evaluate / "manifest.json"):
+        raise ExpmanError(
+            f"{where.benchmark / 'manifest.json'}: benchmarks another evaluation; rerun `dvc repro benchmark`"
+        )
+    return sha
+
+
+def _version_tags(where: RegisterPaths, manifests: dict[str, Any], metrics: dict[str, float], benchmark: dict) -> dict:
+    """Lineage, capture contract, evaluation metrics, the evaluate run and the engine verdict, as version tags."""
     evaluate_run = manifests["evaluate"]["provenance"].get("mlflow_run_id")
     if not evaluate_run:
-        raise ExpmanError(f"{evaluate_dir / 'manifest.json'}: no MLflow run id; compare could not find the results")
-    model_name = registered_model_name(manifests["prepare"]) if section.model_name == "auto" else section.model_name
-    metrics = summary_metrics(evaluation, str(evaluation_path))
-    coverage = manifests["vocab"]["metrics"]
-    metrics["vocab_coverage"] = coverage.get("coverage_heldout", coverage["coverage_train"])
-    tags = {
+        raise ExpmanError(f"{where.evaluate / 'manifest.json'}: no MLflow run id; compare could not find the results")
+    return {
         **lineage_tags(manifests["train"]["provenance"]["upstream"]),
         **contract_tags(manifests["train"]["contract"]),
         **{f"expman.metrics.{name}": f"{value:.6g}" for name, value in metrics.items()},
         "expman.evaluate.run_id": evaluate_run,
         **engine_tags(benchmark),
     }
+
+
+def register(section: RegisterParams, where: RegisterPaths) -> dict[str, Any]:
+    """Register ``where.drafter`` with the evaluation in ``where.evaluate``, the engine benchmark in
+    ``where.benchmark`` and the training curves in ``where.train_plots``; write ``where.out``; return its content."""
+    inputs = {
+        "prepare": where.verifier,
+        "vocab": where.vocab,
+        "train": where.drafter,
+        "evaluate": where.evaluate,
+        "benchmark": where.benchmark,
+    }
+    manifests = {stage: read_manifest(folder / "manifest.json", stage) for stage, folder in inputs.items()}
+    evaluation = _read_evaluation(where.evaluate / "evaluation.json")
+    sha = _check_inputs(where, manifests, evaluation)
+    benchmark = _read_evaluation(where.benchmark / "benchmark.json")
+    model_name = registered_model_name(manifests["prepare"]) if section.model_name == "auto" else section.model_name
+    metrics = summary_metrics(evaluation, str(where.evaluate / "evaluation.json"))
+    coverage = manifests["vocab"]["metrics"]
+    metrics["vocab_coverage"] = coverage.get("coverage_heldout", coverage["coverage_train"])
+    tags = _version_tags(where, manifests, metrics, benchmark)
     upstream = {stage: upstream_entry(folder / "manifest.json", manifests[stage]) for stage, folder in inputs.items()}
     with stage_run("register", section.model_dump(), upstream) as run:
-        _log_figures(run, curves_dir, evaluation, benchmark)
-        version = register_drafter(run, drafter_dir, model_name, "candidate", tags)
+        _log_figures(run, where.train_plots, evaluation, benchmark)
+        version = register_drafter(run, where.drafter, model_name, "candidate", tags)
         set_version_description(model_name, version, describe(model_name, version, tags))
         run.log_metrics(metrics)
         facts = {
@@ -157,4 +162,4 @@ def register(
             "run_id": run.run_id,
             "drafter_sha256": sha,
         }
-        return run.write_manifest(out_path, facts)
+        return run.write_manifest(where.out, facts)

@@ -26,9 +26,9 @@ from typing import Any
 import numpy as np
 
 from expman.errors import ExpmanError
-from expman.registry import DRAFTER_SHA_TAG, INTEGRATION_FAULT_TAG, resolve_model, resolve_version
-from expman.tables import markdown_table, text_table
-from expman.tracking import RegistryReader, VersionRecord
+from expman.registry.reader import RegistryReader, VersionRecord
+from expman.registry.tables import markdown_table, text_table
+from expman.registry.versions import DRAFTER_SHA_TAG, INTEGRATION_FAULT_TAG, resolve_model, resolve_version
 
 __all__ = [
     "ArmResults",

@@ -170,9 +170,9 @@ def launch(section: TrainParams, argv: list[str]) -> int | None:
     import subprocess
     import sys
 
+    from expman.data.verifier import resolve_device
     from expman.errors import ExpmanError
     from expman.provenance import sha256_json
-    from expman.verifier import resolve_device
 
     if resolve_device(section.device) == "cuda" and section.gpus > torch.cuda.device_count():
         raise ExpmanError(f"train.gpus: {section.gpus}, but this host has {torch.cuda.device_count()} GPUs")

@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 import torch
 
-from expman.drafter import DrafterConfig, Eagle3Drafter
+from expman.drafter.model import DrafterConfig, Eagle3Drafter
 from expman.errors import ExpmanError
 from expman.provenance import atomic_dir
 

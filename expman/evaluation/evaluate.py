@@ -26,12 +26,13 @@ from typing import Any
 
 import torch
 
-from expman.drafter import Eagle3Drafter
+from expman.data.generate import read_responses
+from expman.drafter.model import Eagle3Drafter
 from expman.errors import ExpmanError
-from expman.generate import read_responses
 from expman.params import EvaluateParams, Params
+from expman.paths import EvaluatePaths
 from expman.provenance import atomic_write_json, read_manifest, sha256_file, upstream_entry
-from expman.tracking import stage_run
+from expman.registry.tracking import stage_run
 
 __all__ = [
     "TIE_ULPS",
@@ -372,7 +373,7 @@ def _load_arm(
     integration fault)."""
     import dataclasses
 
-    from expman.checkpoint import load_drafter
+    from expman.drafter.checkpoint import load_drafter
 
     drafter = load_drafter(path, embedding=embedding)
     trained = trained_aux_layers(path)
@@ -390,7 +391,7 @@ def _load_arm(
 def speedup_target(device: str, dtype: torch.dtype) -> str:
     """The target the speedups were measured on, as promotion gates name it: the device, and the dtype where it is
     not the device's default (a bf16 speedup on CPU says nothing about fp32 serving there)."""
-    from expman.verifier import resolve_dtype
+    from expman.data.verifier import resolve_dtype
 
     suffix = "" if dtype == resolve_dtype("auto", device) else "-" + str(dtype).removeprefix("torch.")
     return f"torch-{device}{suffix}-batch1"
@@ -412,12 +413,38 @@ def _arm_row(
     }
 
 
+def _read_inputs(section: EvaluateParams, where: EvaluatePaths) -> tuple[dict, list[dict], dict[str, Path], dict]:
+    """The verifier's manifest, the held-out prompts, each drafter arm's folder and the upstream entries."""
+    verifier_manifest = read_manifest(where.verifier / "manifest.json", "prepare")
+    generated_manifest = read_manifest(where.generated / "manifest.json", "generate")
+    if generated_manifest["verifier"] != verifier_manifest["verifier"]:
+        raise ExpmanError(
+            f"{where.generated / 'manifest.json'}: responses come from another verifier than {where.verifier}"
+        )
+    prompts = select_prompts(read_responses(where.generated, section.split), section.max_prompts)
+    if not prompts:
+        raise ExpmanError(
+            f"{where.generated / 'manifest.json'}: no successful {section.split!r} records to evaluate on"
+        )
+    arm_paths = {"candidate": where.drafter}
+    if section.baseline:
+        arm_paths = {"baseline": Path(section.baseline), **arm_paths}
+    upstream = {
+        "prepare": upstream_entry(where.verifier / "manifest.json", verifier_manifest),
+        "generate": upstream_entry(where.generated / "manifest.json", generated_manifest),
+    }
+    for arm, path in arm_paths.items():
+        stage = "train" if arm == "candidate" else "baseline"
+        upstream[arm] = upstream_entry(path / "manifest.json", read_manifest(path / "manifest.json", stage))
+    return verifier_manifest, prompts, arm_paths, upstream
+
+
 def _load_models(
     verifier_dir: Path, arm_paths: dict[str, Path], device: str, dtype: torch.dtype
 ) -> tuple[Any, set[int], dict[str, Eagle3Drafter]]:
     """The verifier, its end-of-turn ids and one drafter per arm, on ``device`` in ``dtype``."""
-    from expman.objective import VerifierHead
-    from expman.verifier import load_tokenizer, load_verifier
+    from expman.data.verifier import load_tokenizer, load_verifier
+    from expman.drafter.objective import VerifierHead
 
     verifier = read_manifest(verifier_dir / "manifest.json", "prepare")["verifier"]
     embedding = VerifierHead.load(verifier_dir).embed
@@ -432,7 +459,7 @@ def _checked_aux_layers(
     verifier_dir: Path, verifier: dict[str, Any], arm_paths: dict[str, Path]
 ) -> dict[str, list[int]]:
     """Each arm checked against the verifier before any decode starts; the aux layers it will be fed."""
-    from expman.objective import VerifierHead
+    from expman.drafter.objective import VerifierHead
 
     embedding = VerifierHead.load(verifier_dir).embed
     return {
@@ -441,19 +468,16 @@ def _checked_aux_layers(
     }
 
 
-def _decode_prompt(
-    section: EvaluateParams, model: Any, eos_ids: set[int], drafters: dict[str, Eagle3Drafter], record: dict[str, Any]
-) -> dict[str, Any]:
-    """One prompt's row: plain decoding (timed without the tie bookkeeping), then every arm and k."""
+def _prompt_row(model, drafters: dict[str, Any], record: dict[str, Any], section: EvaluateParams, eos_ids) -> dict:
+    """One prompt through every arm: plain decoding first (the greedy reference), then each drafter at each k."""
     temperature, seed, limit = section.temperature, section.seed, section.max_new_tokens
     prompt_ids = record["input_ids"][: record["prompt_tokens"]]
     started = time.perf_counter()
     reference = greedy_decode(model, prompt_ids, limit, eos_ids, temperature, seed)
-    seconds = time.perf_counter() - started - reference.check_seconds
     row: dict[str, Any] = {
         "id": record["id"],
         "category": record["category"],
-        "nospec": {"tokens": len(reference.tokens), "seconds": seconds},
+        "nospec": {"tokens": len(reference.tokens), "seconds": time.perf_counter() - started - reference.check_seconds},
     }
     for arm, drafter in drafters.items():
         row[arm] = {}
@@ -473,14 +497,15 @@ def _decode_rows(
     dtype: torch.dtype,
     prompts: list[dict[str, Any]],
 ) -> Iterator[dict[str, Any]]:
-    """Load the models, warm them up outside the timings, then yield one row per prompt."""
+    """Load the models, warm them up outside the timings, then yield the prompts' rows one by one, the arms
+    interleaved."""
     model, eos_ids, drafters = _load_models(verifier_dir, arm_paths, device, dtype)
     first = prompts[0]["input_ids"][: prompts[0]["prompt_tokens"]]
     greedy_decode(model, first, 8, eos_ids)
     for drafter in drafters.values():
         speculative_decode(model, drafter, first, max(section.ks), 8, eos_ids)
     for record in prompts:
-        yield _decode_prompt(section, model, eos_ids, drafters, record)
+        yield _prompt_row(model, drafters, record, section, eos_ids)
 
 
 def _decode_worker(
@@ -545,59 +570,54 @@ def _decode_in_workers(
                 process.join()
         failed = [i for i, p in enumerate(processes) if p.exitcode != 0]
         if failed:
-            raise ExpmanError(
-                f"evaluate: worker {failed[0]} exited with {processes[failed[0]].exitcode} (its error is above)"
-            )
+            code = processes[failed[0]].exitcode
+            raise ExpmanError(f"evaluate: worker {failed[0]} exited with {code} (its error is above)")
         rows = {row["id"]: row for f in files for row in map(json.loads, f.read_text().splitlines())}
     return [rows[record["id"]] for record in prompts]
 
 
-def evaluate(
-    params: Params,
+def _measure(
+    section: EvaluateParams,
     verifier_dir: Path,
-    generated_dir: Path,
-    drafter_dir: Path,
-    out_dir: Path,
-    metrics_path: Path,
-    plots_dir: Path,
-) -> dict[str, Any]:
-    """Run the three arms on the held-out prompts; write ``evaluation.json`` (per-prompt results + summary) and
-    ``manifest.json`` to ``out_dir``, the summary to ``metrics_path`` and its tables for ``dvc plots`` to
-    ``plots_dir``; the run logs the same pictures as ``figures/evaluate.png``."""
+    arm_paths: dict[str, Path],
+    device: str,
+    dtype: torch.dtype,
+    prompts: list[dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """Every prompt's row, in this process or in ``section.workers`` processes."""
     from tqdm import tqdm
 
+    if section.workers > 1:
+        return _decode_in_workers(section, verifier_dir, arm_paths, device, dtype, prompts)
+    decoded = _decode_rows(section, verifier_dir, arm_paths, device, dtype, prompts)
+    return list(tqdm(decoded, total=len(prompts), desc="evaluate", unit="prompt"))
+
+
+def _flat_metrics(summary: dict[str, Any], arms: Sequence[str]) -> dict[str, float]:
+    """The summary as MLflow metrics: ``<arm>/<k>/<name>``."""
+    flat = {"nospec/tok_per_s": summary["nospec"]["tok_per_s"]}
+    for arm in arms:
+        for key, values in summary[arm].items():
+            flat.update({f"{arm}/{key}/{name}": values[name] for name in ("tau", "acceptance_rate", "speedup")})
+            flat[f"{arm}/{key}/greedy_mismatches"] = values["greedy_mismatches"]
+            flat[f"{arm}/{key}/greedy_tie_flips"] = values["greedy_tie_flips"]
+    return flat
+
+
+def evaluate(params: Params, where: EvaluatePaths) -> dict[str, Any]:
+    """Run the three arms on the held-out prompts; write ``evaluation.json`` (per-prompt results + summary) and
+    ``manifest.json`` to ``where.out``, the summary to ``where.metrics`` and its tables for ``dvc plots`` to
+    ``where.plots``; the run logs the same pictures as ``figures/evaluate.png``."""
+    from expman.data.verifier import resolve_device, resolve_dtype
     from expman.plots import EVALUATE_FIGURE, evaluation_figure, evaluation_tables, write_tables
-    from expman.verifier import resolve_device, resolve_dtype
 
     section: EvaluateParams = params.evaluate
-    verifier_manifest = read_manifest(verifier_dir / "manifest.json", "prepare")
-    generated_manifest = read_manifest(generated_dir / "manifest.json", "generate")
-    if generated_manifest["verifier"] != verifier_manifest["verifier"]:
-        raise ExpmanError(
-            f"{generated_dir / 'manifest.json'}: responses come from another verifier than {verifier_dir}"
-        )
-    prompts = select_prompts(read_responses(generated_dir, section.split), section.max_prompts)
-    if not prompts:
-        raise ExpmanError(f"{generated_dir / 'manifest.json'}: no successful {section.split!r} records to evaluate on")
-    arm_paths = {"candidate": drafter_dir}
-    if section.baseline:
-        arm_paths = {"baseline": Path(section.baseline), **arm_paths}
-    upstream = {
-        "prepare": upstream_entry(verifier_dir / "manifest.json", verifier_manifest),
-        "generate": upstream_entry(generated_dir / "manifest.json", generated_manifest),
-    }
-    for arm, path in arm_paths.items():
-        stage = "train" if arm == "candidate" else "baseline"
-        upstream[arm] = upstream_entry(path / "manifest.json", read_manifest(path / "manifest.json", stage))
+    verifier_manifest, prompts, arm_paths, upstream = _read_inputs(section, where)
     device = resolve_device(section.device)
     dtype = resolve_dtype(section.dtype, device)
-    aux_layers = _checked_aux_layers(verifier_dir, verifier_manifest["verifier"], arm_paths)
+    aux_layers = _checked_aux_layers(where.verifier, verifier_manifest["verifier"], arm_paths)
     with stage_run("evaluate", section.model_dump(), upstream) as run:
-        if section.workers == 1:
-            decoded = _decode_rows(section, verifier_dir, arm_paths, device, dtype, prompts)
-            rows = list(tqdm(decoded, total=len(prompts), desc="evaluate", unit="prompt"))
-        else:
-            rows = _decode_in_workers(section, verifier_dir, arm_paths, device, dtype, prompts)
+        rows = _measure(section, where.verifier, arm_paths, device, dtype, prompts)
         summary = summarize(rows, list(arm_paths), section.ks)
         evaluation = {
             "ks": section.ks,
@@ -618,17 +638,11 @@ def evaluate(
             "prompts": rows,
             "summary": summary,
         }
-        atomic_write_json(out_dir / "evaluation.json", evaluation)
-        run.log_artifact(out_dir / "evaluation.json")
-        flat = {"nospec/tok_per_s": summary["nospec"]["tok_per_s"]}
-        for arm in arm_paths:
-            for key, values in summary[arm].items():
-                flat.update({f"{arm}/{key}/{name}": values[name] for name in ("tau", "acceptance_rate", "speedup")})
-                flat[f"{arm}/{key}/greedy_mismatches"] = values["greedy_mismatches"]
-                flat[f"{arm}/{key}/greedy_tie_flips"] = values["greedy_tie_flips"]
-        run.log_metrics(flat)
-        atomic_write_json(metrics_path, {k: v for k, v in summary.items() if k != "by_category"})
-        write_tables(plots_dir, evaluation_tables(evaluation))
+        atomic_write_json(where.out / "evaluation.json", evaluation)
+        run.log_artifact(where.out / "evaluation.json")
+        run.log_metrics(_flat_metrics(summary, list(arm_paths)))
+        atomic_write_json(where.metrics, {k: v for k, v in summary.items() if k != "by_category"})
+        write_tables(where.plots, evaluation_tables(evaluation))
         run.log_figure(evaluation_figure(evaluation), EVALUATE_FIGURE)
         facts = {"prompts": len(rows), "ks": section.ks, "arms": evaluation["arms"], "summary_file": "evaluation.json"}
-        return run.write_manifest(out_dir / "manifest.json", facts)
+        return run.write_manifest(where.out / "manifest.json", facts)

@@ -1,4 +1,4 @@
-"""expman runs: the recent stage runs and registered versions, read without mlflow (see tracking.open_registry)."""
+"""expman runs: the recent stage runs and registered versions, read without mlflow (see expman.registry.reader)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import re
 from datetime import datetime
 from typing import Any
 
-from expman.registry import DRAFTER_SHA_TAG
-from expman.tables import text_table
-from expman.tracking import open_registry
+from expman.registry.reader import open_registry
+from expman.registry.tables import text_table
+from expman.registry.versions import DRAFTER_SHA_TAG
 
 __all__ = ["list_runs", "render_runs"]
 

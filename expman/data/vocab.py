@@ -9,14 +9,14 @@ held-out responses: held-out coverage caps the acceptance a drafter can reach on
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any
 
+from expman.data.generate import read_responses
 from expman.errors import ExpmanError
-from expman.generate import read_responses
 from expman.params import Params
+from expman.paths import VocabPaths
 from expman.provenance import atomic_write, atomic_write_json, read_manifest, upstream_entry
-from expman.tracking import stage_run
+from expman.registry.tracking import stage_run
 
 __all__ = ["build_vocab", "draft_vocab_size", "token_counts", "vocab"]
 
@@ -56,19 +56,19 @@ def _coverage(counts: Any, t2d: Any) -> float:
     return int(counts[t2d].sum()) / total if total else 0.0
 
 
-def vocab(params: Params, generated_dir: Path, out_dir: Path) -> dict[str, Any]:
+def vocab(params: Params, where: VocabPaths) -> dict[str, Any]:
     """Write ``vocab.safetensors`` (d2t, t2d, train token counts), ``metrics.json`` and ``manifest.json``."""
     from safetensors.torch import save_file
 
     section = params.vocab
-    generated_manifest = read_manifest(generated_dir / "manifest.json", "generate")
+    generated_manifest = read_manifest(where.generated / "manifest.json", "generate")
     vocab_size = generated_manifest["verifier"]["vocab_size"]
     size = draft_vocab_size(section.draft_vocab_size, vocab_size)
-    upstream = {"generate": upstream_entry(generated_dir / "manifest.json", generated_manifest)}
-    train = token_counts(read_responses(generated_dir, "train"), vocab_size)  # shards checked before the run opens
+    upstream = {"generate": upstream_entry(where.generated / "manifest.json", generated_manifest)}
+    train = token_counts(read_responses(where.generated, "train"), vocab_size)  # shards checked before the run opens
     heldout = None
     if "heldout" in generated_manifest["splits"]:
-        heldout = token_counts(read_responses(generated_dir, "heldout"), vocab_size)
+        heldout = token_counts(read_responses(where.generated, "heldout"), vocab_size)
     with stage_run("vocab", section.model_dump(), upstream) as run:
         d2t, t2d = build_vocab(train, size)
         metrics = {
@@ -79,8 +79,8 @@ def vocab(params: Params, generated_dir: Path, out_dir: Path) -> dict[str, Any]:
         if heldout is not None:
             metrics["coverage_heldout"] = _coverage(heldout, t2d)
         tensors = {"d2t": d2t, "t2d": t2d, "train_token_counts": train}
-        atomic_write(out_dir / "vocab.safetensors", lambda tmp: save_file(tensors, str(tmp)))
-        atomic_write_json(out_dir / "metrics.json", metrics)
+        atomic_write(where.out / "vocab.safetensors", lambda tmp: save_file(tensors, str(tmp)))
+        atomic_write_json(where.out / "metrics.json", metrics)
         run.log_metrics(metrics)
         facts = {
             "draft_vocab_size": size,
@@ -88,4 +88,4 @@ def vocab(params: Params, generated_dir: Path, out_dir: Path) -> dict[str, Any]:
             "verifier": generated_manifest["verifier"],
             "metrics": metrics,
         }
-        return run.write_manifest(out_dir / "manifest.json", facts)
+        return run.write_manifest(where.out / "manifest.json", facts)

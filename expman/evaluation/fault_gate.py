@@ -1,11 +1,11 @@
 """The integration-fault gate: an engine whose acceptance falls far below the reference evaluator's on the same
 prompts and k is serving the drafter wrong (layer ids, norms, vocabulary map), not serving a weak drafter.
 
-Both sides are summaries with ``tau`` and ``per_position`` (unconditional rates), as ``expman.evaluate`` writes
-them and ``AcceptanceCounters.summary()`` returns them. The thresholds are parameters because how loud a fault is
+Both sides are summaries with ``tau`` and ``per_position`` (unconditional rates), as ``expman.evaluation.evaluate``
+writes them and ``AcceptanceCounters.summary()`` returns them. The thresholds are parameters because how loud a fault is
 depends on the drafter: measured here, aux ids shifted by one cost a weak SmolLM2 drafter only ~10 % of τ, while a
-permuted order or a larger shift is a clear fault. ``hidden_state_parity`` checks the engine's captured target
-states against the training features directly, which catches such shifts regardless of drafter quality.
+permuted order or a larger shift is a clear fault. ``hidden_state_parity`` checks the engine's captured target states
+against the training features directly, which catches such shifts regardless of drafter quality.
 """
 
 from __future__ import annotations

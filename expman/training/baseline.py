@@ -14,8 +14,9 @@ from typing import Any
 
 from expman.errors import ExpmanError
 from expman.params import Params
+from expman.paths import TrainPaths
 from expman.provenance import atomic_write_json, read_manifest, sha256_file, upstream_entry
-from expman.tracking import StageRun, stage_run
+from expman.registry.tracking import StageRun, stage_run
 
 __all__ = ["baseline"]
 
@@ -23,7 +24,7 @@ __all__ = ["baseline"]
 def _registrar(verifier_manifest: dict[str, Any], contract: dict[str, Any] | None, extra: dict[str, str]):
     """The finish step: register ``folder`` with alias ``baseline`` inside the stage's run, tagged with ``extra``
     besides its role and contract."""
-    from expman.registry import contract_tags, register_drafter, registered_model_name
+    from expman.registry.versions import contract_tags, register_drafter, registered_model_name
 
     def finish(run: StageRun, folder: Path) -> dict[str, Any]:
         name = registered_model_name(verifier_manifest)
@@ -34,15 +35,16 @@ def _registrar(verifier_manifest: dict[str, Any], contract: dict[str, Any] | Non
     return finish
 
 
-def _import(params: Params, verifier_dir: Path, extract_dir: Path, out_dir: Path, metrics_path: Path) -> dict[str, Any]:
-    from expman.checkpoint import load_drafter, read_config, save_speculators
-    from expman.objective import VerifierHead
-    from expman.registry import norm_tags
+def _import(params: Params, where: TrainPaths) -> dict[str, Any]:
+    from expman.drafter.checkpoint import load_drafter, read_config, save_speculators
+    from expman.drafter.objective import VerifierHead
+    from expman.registry.versions import norm_tags
 
     section = params.baseline
+    verifier_dir, out_dir = where.verifier, where.out
     verifier_manifest = read_manifest(verifier_dir / "manifest.json", "prepare")
     facts = verifier_manifest["verifier"]
-    contract = read_manifest(extract_dir / "manifest.json", "extract")["contract"]
+    contract = read_manifest(where.extract / "manifest.json", "extract")["contract"]
     source = Path(section.source)
     drafter = load_drafter(source, section.layer_convention, embedding=VerifierHead.load(verifier_dir).embed)
     for key in ("hidden_size", "vocab_size"):
@@ -60,38 +62,25 @@ def _import(params: Params, verifier_dir: Path, extract_dir: Path, out_dir: Path
     with stage_run("baseline", section.model_dump(), upstream) as run:
         save_speculators(drafter, out_dir, str(verifier_dir), [facts["architecture"]], speculative_tokens=3)
         registered = _registrar(verifier_manifest, contract, norm_tags(read_config(source)))(run, out_dir)
-        atomic_write_json(metrics_path, {"imported_from": str(source), "contract_notes": notes})
+        atomic_write_json(where.metrics, {"imported_from": str(source), "contract_notes": notes})
         return run.write_manifest(
             out_dir / "manifest.json",
             {"source": str(source), "contract_notes": notes, "contract": contract, **registered},
         )
 
 
-def baseline(
-    params: Params,
-    verifier_dir: Path,
-    extract_dir: Path,
-    vocab_dir: Path,
-    out_dir: Path,
-    state_dir: Path,
-    metrics_path: Path,
-) -> dict[str, Any]:
-    """Train or import the baseline into ``out_dir`` and register it with alias ``baseline``."""
+def baseline(params: Params, where: TrainPaths) -> dict[str, Any]:
+    """Train or import the baseline into ``where.out`` and register it with alias ``baseline``."""
     section = params.baseline
     if section.source != "train":
-        return _import(params, verifier_dir, extract_dir, out_dir, metrics_path)
-    from expman.train import train
+        return _import(params, where)
+    from expman.training.train import train
 
-    verifier_manifest = read_manifest(verifier_dir / "manifest.json", "prepare")
-    contract = read_manifest(extract_dir / "manifest.json", "extract")["contract"]
+    verifier_manifest = read_manifest(where.verifier / "manifest.json", "prepare")
+    contract = read_manifest(where.extract / "manifest.json", "extract")["contract"]
     return train(
         section.train,
-        verifier_dir,
-        extract_dir,
-        vocab_dir,
-        out_dir,
-        state_dir,
-        metrics_path,
+        where,
         stage="baseline",
         sample_share=section.sample_fraction,
         finish=_registrar(verifier_manifest, contract, {}),

@@ -1,0 +1,1 @@
+"""The data stages: prepare (the verifier), generate (its own responses), extract (hidden-state shards), vocab."""

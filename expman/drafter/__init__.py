@@ -1,0 +1,1 @@
+"""The EAGLE-3 drafter: the model and its TTT unroll, the training objective, the checkpoint formats."""

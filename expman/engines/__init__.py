@@ -1,0 +1,1 @@
+"""Serving engines: vLLM (generation and the benchmark arms), SGLang, the engines' spec-decode counters."""

@@ -1,0 +1,1 @@
+"""The evaluate and benchmark stages: reference speculative decoding, the engine benchmark, the fault gate."""

@@ -1,0 +1,205 @@
+"""benchmark: the evaluate stage's arms again in a serving engine, and the integration-fault verdict.
+
+The prompts, output length and k are the reference evaluation's, so engine and reference numbers describe the
+same work. Per arm the engine runs greedy over all prompts in one batch (the offline ``LLM``); acceptance comes
+from the deltas of the engine's cumulative spec-decode counters around the timed batch, speedup from the
+no-speculation arm of the same run. A drafter is marked ``integration_fault`` when its checkpoint tells the
+engine other aux layers than it was trained on (the DESIGN.md failure: ids off by one between engines), or when
+the engine's τ falls below ``tau_ratio`` × the reference τ or its position-0 rate below ``position0_ratio`` ×
+the reference's. Engine outputs are compared with the engine's own no-speculation outputs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from expman.data.generate import read_responses
+from expman.errors import ExpmanError
+from expman.params import Params
+from expman.paths import BenchmarkPaths
+from expman.provenance import atomic_write_json, read_manifest, upstream_entry
+from expman.registry.tracking import stage_run
+
+__all__ = ["benchmark", "contract_mismatch"]
+
+
+def contract_mismatch(drafter_dir: Path) -> str | None:
+    """Why an engine would feed this drafter other aux layers than it was trained on, or None.
+
+    The checkpoint's ``eagle_aux_hidden_state_layer_ids`` is what an engine reads; the manifest of a drafter
+    trained here records the capture contract of its features (an imported one has none to hold it to)."""
+    from expman.drafter.checkpoint import read_checkpoint
+    from expman.evaluation.evaluate import trained_aux_layers
+
+    trained = trained_aux_layers(drafter_dir)
+    served = list(read_checkpoint(drafter_dir)[1].aux_layer_ids)
+    if trained is not None and served != trained:
+        return f"{drafter_dir}/config.json serves aux layers {served}, the drafter was trained on {trained}"
+    return None
+
+
+def _engine_numbers(arm: Any, k: int, nospec: Any, nospec_tok_per_s: float | None) -> dict[str, Any]:
+    from expman.engines.metrics import from_vllm_metrics
+
+    counters = from_vllm_metrics(arm.metrics_after) - from_vllm_metrics(arm.metrics_before)
+    tok_per_s = sum(len(o) for o in arm.outputs) / arm.seconds
+    rates = list(counters.per_position_rates)[:k]
+    return {
+        "tau": counters.tau,
+        "acceptance_rate": counters.acceptance_rate,
+        "per_position": rates + [0.0] * (k - len(rates)),
+        "tok_per_s": tok_per_s,
+        "speedup": tok_per_s / nospec_tok_per_s if nospec_tok_per_s else None,
+        "outputs_equal_to_nospec": sum(a == b for a, b in zip(arm.outputs, nospec.outputs, strict=True)),
+        "counters": {
+            "drafts": counters.drafts,
+            "draft_tokens": counters.draft_tokens,
+            "accepted_tokens": counters.accepted_tokens,
+            "accepted_per_position": list(counters.accepted_per_position),
+        },
+        "seconds": arm.seconds,
+        "settings": arm.settings,
+    }
+
+
+@dataclass(frozen=True)
+class _Work:
+    """What the engine runs, read before the stage's run opens: the verifier, the reference evaluation, the ks, the
+    evaluated prompts' token ids, each arm's drafter folder and its static fault (or None)."""
+
+    verifier_manifest: dict[str, Any]
+    evaluation: dict[str, Any]
+    ks: list[int]
+    prompts: list[list[int]]
+    arms: dict[str, Path]
+    static: dict[str, str | None]
+
+
+def _read_inputs(section: Any, where: BenchmarkPaths) -> tuple[_Work, dict[str, Any]]:
+    """The work and the upstream entries."""
+    verifier_manifest = read_manifest(where.verifier / "manifest.json", "prepare")
+    evaluate_manifest = read_manifest(where.evaluate / "manifest.json", "evaluate")
+    evaluation = json.loads((where.evaluate / "evaluation.json").read_text())
+    ks = section.ks or evaluation["ks"]
+    missing = sorted(set(ks) - set(evaluation["ks"]))
+    if missing:
+        raise ExpmanError(f"benchmark.ks: {missing} were not evaluated (evaluate.ks is {evaluation['ks']})")
+    upstream = {
+        "prepare": upstream_entry(where.verifier / "manifest.json", verifier_manifest),
+        "evaluate": upstream_entry(where.evaluate / "manifest.json", evaluate_manifest),
+    }
+    split = evaluate_manifest["provenance"]["params"]["split"]
+    by_id = {r["id"]: r for r in read_responses(where.generated, split)}
+    prompts = [by_id[row["id"]]["input_ids"][: by_id[row["id"]]["prompt_tokens"]] for row in evaluation["prompts"]]
+    arms = {name: Path(arm["path"]) for name, arm in evaluation["arms"].items()}
+    static = {name: contract_mismatch(path) for name, path in arms.items()}
+    return _Work(verifier_manifest, evaluation, ks, prompts, arms, static), upstream
+
+
+def _measure_arm(run: Any, section: Any, work: _Work, name: str, engine_run: Any, nospec: Any) -> dict[str, Any]:
+    """One drafter at each k in the engine, against its reference numbers: the arm's entry of ``benchmark.json``."""
+    from expman.evaluation.fault_gate import integration_fault
+
+    static = work.static[name]
+    entry: dict[str, Any] = {"path": str(work.arms[name]), "static_fault": static, "k": {}}
+    for k in work.ks:
+        measured = engine_run(drafter_dir=work.arms[name], k=k)
+        engine = _engine_numbers(measured, k, nospec, sum(len(o) for o in nospec.outputs) / nospec.seconds)
+        reference = work.evaluation["summary"][name][f"k{k}"]
+        verdict = integration_fault(reference, engine, section.tau_ratio, section.position0_ratio)
+        reasons = ([static] if static else []) + list(verdict.reasons)
+        entry["k"][str(k)] = {
+            "engine": engine,
+            "reference": {key: reference[key] for key in ("tau", "per_position", "speedup")},
+            "tau_ratio": verdict.tau_ratio_measured,
+            "integration_fault": bool(reasons),
+            "reasons": reasons,
+        }
+        run.log_metrics(
+            {
+                f"{name}/k{k}/engine_tau": engine["tau"],
+                f"{name}/k{k}/engine_speedup": engine["speedup"] or 0.0,
+                f"{name}/k{k}/tau_ratio": verdict.tau_ratio_measured,
+            }
+        )
+    entry["integration_fault"] = any(v["integration_fault"] for v in entry["k"].values())
+    return entry
+
+
+def _run_engine(run: Any, section: Any, where: BenchmarkPaths, work: _Work, result: dict[str, Any]) -> None:
+    """No speculation, then every arm of the evaluation at each k, in vLLM; into ``result``."""
+    from functools import partial
+
+    from tqdm import tqdm
+
+    from expman.data.verifier import resolve_device
+    from expman.engines.vllm import run_vllm_arm, vllm_version
+
+    device = resolve_device(section.device)
+    dtype = {"auto": "float32" if device == "cpu" else "bfloat16"}.get(section.dtype, section.dtype)
+    result["engine_version"] = vllm_version()
+    engine_run = partial(
+        run_vllm_arm,
+        model_dir=where.verifier,
+        prompts=work.prompts,
+        max_new_tokens=work.evaluation["max_new_tokens"],
+        device=device,
+        dtype=dtype,
+        seed=section.seed,
+        trust_remote_code=work.verifier_manifest["trust_remote_code"],
+    )
+    bar = tqdm(total=1 + len(work.arms) * len(work.ks), desc="benchmark", unit="engine run")
+
+    def counted(**arm: Any) -> Any:
+        measured = engine_run(**arm)
+        bar.update()
+        return measured
+
+    nospec = counted(drafter_dir=None, k=0)
+    nospec_tok_per_s = sum(len(o) for o in nospec.outputs) / nospec.seconds
+    result["nospec"] = {"tok_per_s": nospec_tok_per_s, "seconds": nospec.seconds, "settings": nospec.settings}
+    for name in work.arms:
+        result["arms"][name] = _measure_arm(run, section, work, name, counted, nospec)
+    bar.close()
+
+
+def _summary(result: dict[str, Any]) -> dict[str, Any]:
+    """The metrics file: per arm the verdict and the engine's τ and speedup at each k."""
+    return {
+        "engine": result["engine"],
+        **({"nospec_tok_per_s": result["nospec"]["tok_per_s"]} if "nospec" in result else {}),
+        **{
+            name: {
+                "integration_fault": arm["integration_fault"],
+                **{f"k{k}": {x: v["engine"][x] for x in ("tau", "speedup")} for k, v in arm["k"].items()},
+            }
+            for name, arm in result["arms"].items()
+        },
+    }
+
+
+def benchmark(params: Params, where: BenchmarkPaths) -> dict[str, Any]:
+    """Run no speculation, baseline and candidate in the engine at the evaluation's ks; write ``benchmark.json``
+    (engine numbers, reference numbers, verdicts) and ``manifest.json`` to ``where.out``, a summary to
+    ``where.metrics``; the run logs engine against reference as ``figures/benchmark.png``."""
+    from expman.plots import BENCHMARK_FIGURE, benchmark_figure
+
+    section = params.benchmark
+    work, upstream = _read_inputs(section, where)
+    result: dict[str, Any] = {"engine": section.engine, "ks": work.ks, "prompts": len(work.prompts), "arms": {}}
+    with stage_run("benchmark", section.model_dump(), upstream) as run:
+        if section.engine == "none":
+            result["skipped"] = "benchmark.engine is none: no engine numbers, no integration-fault verdict"
+        else:
+            _run_engine(run, section, where, work, result)
+        atomic_write_json(where.out / "benchmark.json", result)
+        run.log_artifact(where.out / "benchmark.json")
+        figure = benchmark_figure(result)
+        if figure is not None:
+            run.log_figure(figure, BENCHMARK_FIGURE)
+        summary = _summary(result)
+        atomic_write_json(where.metrics, summary)
+        return run.write_manifest(where.out / "manifest.json", {"engine": section.engine, "summary": summary})

@@ -1,0 +1,338 @@
+"""The only module that talks to MLflow: one run per stage, tagged so the UI shows the chain of runs, and the
+model registry's writes (versions, tags, aliases).
+
+Tracking URI: ``MLFLOW_TRACKING_URI`` when set, else ``sqlite:///<project>/mlflow.db`` (never ``./mlruns``);
+artifacts of the default store go to ``<project>/mlartifacts``. Each run carries the git sha, the stage, the
+DVC experiment name, the dvc.lock digest, and per upstream stage its manifest digest and run id; its
+description links to those runs, so a user can walk from any run to the runs that produced its inputs. The
+experiment is tagged as model training, so the UI opens it on the runs table, not the GenAI overview.
+Runs and registry live in the same store: expman passes the tracking URI as the registry URI too.
+
+Reads for ``expman compare`` and ``expman runs`` do not come here: ``expman.registry.reader`` reads the same
+store without importing mlflow.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+from expman.provenance import atomic_write_json, git_sha, provenance, sha256_file
+
+__all__ = [
+    "DRAFTER_ARTIFACT",
+    "StageRun",
+    "default_tracking_uri",
+    "download_artifact_text",
+    "download_version",
+    "lineage_tags",
+    "register_version",
+    "serve_ui",
+    "set_alias",
+    "set_version_description",
+    "set_version_tags",
+    "stage_run",
+]
+
+DRAFTER_ARTIFACT = "drafter"  # the run artifact folder a registered version points at
+WRITE_ATTEMPTS = 8
+CONTENDED = (  # how a write that lost a race to another writer fails, on sqlite and postgresql
+    "database is locked",
+    "UNIQUE constraint failed",
+    "duplicate key value violates unique constraint",
+    "0 were matched",  # an update whose row another writer deleted in between
+)
+T = TypeVar("T")
+
+MAX_PARAM_LENGTH = 6000
+KIND_TAG, KIND = "mlflow.experimentKind", "custom_model_development"
+"""The experiment tag MLflow's UI reads to open an experiment on its runs table ("Model training") instead of the
+GenAI overview."""
+
+# MLflow's usage telemetry is off unless the user turns it on: expman sends nothing unasked, and offline the
+# telemetry thread edits os.environ while requests reads it (a KeyError crashed a registrant in test_team).
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+
+
+def default_tracking_uri(root: Path | None = None) -> str:
+    """The URI expman uses: the environment's, else the project's sqlite file. Credentials in an http(s) URI
+    (``http://user:password@host``) first move to MLflow's own variables, see ``_move_credentials``."""
+    root = (root or Path.cwd()).resolve()
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        return f"sqlite:///{root / 'mlflow.db'}"
+    os.environ["MLFLOW_TRACKING_URI"] = _move_credentials(uri)
+    return os.environ["MLFLOW_TRACKING_URI"]
+
+
+def _move_credentials(uri: str) -> str:
+    """``uri`` without the ``user:password@`` of an http(s) URI; the pair goes to ``MLFLOW_TRACKING_USERNAME`` and
+    ``MLFLOW_TRACKING_PASSWORD`` (unless those are set), from where MLflow's client and the REST reader send it as
+    basic auth, as they would from the URI. MLflow prints the tracking URI (a run's link when the run ends) and puts
+    it in its error messages, so a URI that names a password would show it there."""
+    from urllib.parse import unquote, urlsplit, urlunsplit
+
+    parts = urlsplit(uri)
+    if parts.scheme.lower() not in ("http", "https") or "@" not in parts.netloc:
+        return uri
+    os.environ.setdefault("MLFLOW_TRACKING_USERNAME", unquote(parts.username or ""))
+    os.environ.setdefault("MLFLOW_TRACKING_PASSWORD", unquote(parts.password or ""))
+    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+
+
+def _flatten(params: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    flat: dict[str, str] = {}
+    for key, value in params.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            flat.update(_flatten(value, f"{name}."))
+        else:
+            text = value if isinstance(value, str) else json.dumps(value, default=str)
+            flat[name] = text[:MAX_PARAM_LENGTH]
+    return flat
+
+
+class StageRun:
+    """Handle on the active stage run: metrics, artifacts and the stage's manifest go through here."""
+
+    def __init__(self, run_id: str, stage: str, params: Mapping[str, Any], upstream: Mapping[str, Any]):
+        self.run_id = run_id
+        self.stage = stage
+        self.params = params
+        self.upstream = upstream
+        self._sender: Any = None  # the thread that sends metrics, started on first use, and its client
+        self._client: Any = None
+        self._sent: list[Any] = []
+
+    def write_manifest(self, path: Path, facts: Mapping[str, Any]) -> dict[str, Any]:
+        """Write the stage's manifest.json (facts + provenance with this run's id) atomically; log it here too."""
+        manifest = {
+            "stage": self.stage,
+            **facts,
+            "provenance": provenance(dict(self.params), dict(self.upstream), self.run_id),
+        }
+        atomic_write_json(path, manifest)
+        self.log_artifact(path)
+        return manifest
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        """Queue ``metrics`` for one background thread that sends them in order, so a training loop never waits on
+        the tracking store; ``flush`` (at the end of the stage run) waits for them and raises what failed."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from mlflow import MlflowClient
+        from mlflow.entities import Metric
+
+        timestamp = int(time.time() * 1000)
+        batch = [Metric(k, float(v), timestamp, step or 0) for k, v in metrics.items()]
+        if self._sender is None:
+            self._sender = ThreadPoolExecutor(1, thread_name_prefix="mlflow-metrics")
+            self._client = MlflowClient()
+        self._sent.append(self._sender.submit(self._client.log_batch, self.run_id, metrics=batch))
+
+    def flush(self) -> None:
+        """Wait until every queued metric is stored; re-raise the first failure."""
+        sent, self._sent = self._sent, []
+        for future in sent:
+            future.result()
+        if self._sender is not None:
+            self._sender.shutdown()
+            self._sender = None
+
+    def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
+        import mlflow
+
+        mlflow.log_artifact(str(path), artifact_path=artifact_path)
+
+    def log_figure(self, figure: Any, artifact_file: str) -> None:
+        """A matplotlib figure as the image ``artifact_file`` (e.g. ``figures/evaluate.png``) of this run."""
+        import mlflow
+
+        mlflow.log_figure(figure, artifact_file)
+
+
+def _project_store(uri: str, root: Path) -> bool:
+    return uri == f"sqlite:///{root / 'mlflow.db'}"
+
+
+def _experiment_id(client: Any, name: str, uri: str, root: Path) -> str:
+    """The experiment's id, created on first use; when another process created it in between, that one is used.
+    It carries ``KIND_TAG``: an existing experiment without it gets it, one of another kind keeps its own."""
+    from mlflow.exceptions import MlflowException
+
+    experiment = client.get_experiment_by_name(name)
+    if experiment is None:
+        location = (root / "mlartifacts").as_uri() if _project_store(uri, root) else None
+        try:
+            return _retry_contended(
+                lambda: client.create_experiment(name, artifact_location=location, tags={KIND_TAG: KIND})
+            )
+        except MlflowException as err:
+            if err.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+        experiment = client.get_experiment_by_name(name)
+    if KIND_TAG not in experiment.tags:
+        _retry_contended(lambda: client.set_experiment_tag(experiment.experiment_id, KIND_TAG, KIND))
+    return experiment.experiment_id
+
+
+def _run_link(client: Any, run_id: str) -> str:
+    try:
+        info = client.get_run(run_id).info
+    except Exception:  # an upstream run from another store: keep the id, drop the link
+        return f"`{run_id}`"
+    return f"[{info.run_name or run_id}](#/experiments/{info.experiment_id}/runs/{run_id})"
+
+
+def lineage_tags(upstream: Mapping[str, Mapping[str, str]]) -> dict[str, str]:
+    """Per input stage, the digest of its manifest and the run that wrote it, as tags (runs and versions alike)."""
+    tags = {}
+    for name, entry in upstream.items():
+        tags[f"expman.upstream.{name}.manifest_sha256"] = entry["manifest_sha256"]
+        if entry.get("mlflow_run_id"):
+            tags[f"expman.upstream.{name}.run_id"] = entry["mlflow_run_id"]
+    return tags
+
+
+@contextmanager
+def stage_run(stage: str, params: Mapping[str, Any], upstream: Mapping[str, Mapping[str, str]]) -> Iterator[StageRun]:
+    """Open the MLflow run of one stage execution; it ends FAILED if the stage raises."""
+    import mlflow
+    from mlflow import MlflowClient
+
+    root = Path.cwd().resolve()
+    uri = default_tracking_uri(root)
+    mlflow.set_tracking_uri(uri)
+    client = MlflowClient()
+    experiment_id = _experiment_id(client, os.environ.get("MLFLOW_EXPERIMENT_NAME", "expman"), uri, root)
+    sha = git_sha(root)
+    tags = {"expman.stage": stage, "git.sha": sha, "mlflow.source.git.commit": sha}
+    for env, tag in (("DVC_EXP_NAME", "dvc.exp_name"), ("DVC_EXP_BASELINE_REV", "dvc.baseline_rev")):
+        if os.environ.get(env):
+            tags[tag] = os.environ[env]
+    if (root / "dvc.lock").is_file():
+        tags["dvc.lock.sha256"] = sha256_file(root / "dvc.lock")
+    tags.update(lineage_tags(upstream))
+    lines = [f"expman stage **{stage}**."]
+    for name, entry in upstream.items():
+        if entry.get("mlflow_run_id"):
+            lines.append(f"- input from {name}: {_run_link(client, entry['mlflow_run_id'])}")
+    tags["mlflow.note.content"] = "\n".join(lines)
+    run_name = f"{os.environ['DVC_EXP_NAME']}/{stage}" if os.environ.get("DVC_EXP_NAME") else stage
+    with mlflow.start_run(experiment_id=experiment_id, run_name=run_name, tags=tags) as run:
+        mlflow.log_params(_flatten(params))
+        handle = StageRun(run.info.run_id, stage, params, upstream)
+        try:
+            yield handle
+        finally:
+            handle.flush()
+
+
+def serve_ui(host: str, port: int) -> None:
+    """Become ``mlflow ui`` on the project's store (exec, so a signal to this pid reaches the server itself, and no
+    parent is left to outlive it); MLflow's background job workers stay off unless the user turns them on."""
+    import sys
+
+    root = Path.cwd().resolve()
+    uri = default_tracking_uri(root)
+    command = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri]
+    if _project_store(uri, root):
+        command += ["--default-artifact-root", (root / "mlartifacts").as_uri()]
+    os.environ.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
+    os.execv(sys.executable, [*command, "--host", host, "--port", str(port)])
+
+
+# Registry writes: through the mlflow client.
+
+
+def _client() -> Any:
+    from mlflow import MlflowClient
+
+    uri = default_tracking_uri()
+    return MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+def _retry_contended(call: Callable[[], T]) -> T:
+    """Run one registry write; when it lost a race with another writer, back off and run it again.
+
+    Two races are retried. SQLite answers two transactions that both want to write with an immediate "database
+    is locked" to one of them (MLflow's busy timeout does not cover that case); SQLite's remedy is to retry the
+    transaction. And MLflow sets aliases and tags by merge (read, then insert or update): two writers inserting
+    the same new row make one fail on the unique key, and a row deleted between the read and the update fails
+    the update; run again, the merge sees the row as it now is."""
+    for attempt in range(WRITE_ATTEMPTS - 1):
+        try:
+            return call()
+        except Exception as err:  # MlflowException or a SQLAlchemy error, depending on where it hit
+            lost_create = getattr(err, "error_code", None) == "RESOURCE_ALREADY_EXISTS"  # final; the caller decides
+            if lost_create or not any(race in str(err) for race in CONTENDED):
+                raise
+            time.sleep(0.05 * 2**attempt * (1 + random.random()))
+    return call()
+
+
+def register_version(run: StageRun, folder: Path, name: str, tags: Mapping[str, str]) -> int:
+    """Log ``folder`` as the run's artifact ``drafter`` and register it as a new version of ``name``; return it.
+
+    The version's source is that artifact folder itself, not an MLflow Model: MLflow 3 registers any run
+    artifact URI, and ``models:/<name>/<version>`` downloads give back exactly these files (no MLmodel file
+    is needed or added), which is the folder an engine loads. Tags are written with the version, in one
+    transaction."""
+    from mlflow.exceptions import MlflowException
+
+    client = _client()
+    client.log_artifacts(run.run_id, str(folder), artifact_path=DRAFTER_ARTIFACT)
+    source = f"{client.get_run(run.run_id).info.artifact_uri.rstrip('/')}/{DRAFTER_ARTIFACT}"
+    try:
+        _retry_contended(lambda: client.create_registered_model(name))
+    except MlflowException as err:
+        if err.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+    version = _retry_contended(lambda: client.create_model_version(name, source, run_id=run.run_id, tags=dict(tags)))
+    return int(version.version)
+
+
+def set_version_tags(name: str, version: int, tags: Mapping[str, str]) -> None:
+    """Set string tags on one model version."""
+    client = _client()
+    for key, value in tags.items():
+        _retry_contended(lambda key=key, value=value: client.set_model_version_tag(name, str(version), key, value))
+
+
+def set_version_description(name: str, version: int, text: str) -> None:
+    """The version's description, which the registry page renders as markdown."""
+    client = _client()
+    _retry_contended(lambda: client.update_model_version(name, str(version), description=text))
+
+
+def set_alias(name: str, alias: str, version: int) -> None:
+    """Point ``alias`` at ``version``: MLflow writes the one alias row in a single transaction, so readers see
+    the old or the new version, never a mix; concurrent movers serialize and the last one wins."""
+    client = _client()
+    _retry_contended(lambda: client.set_registered_model_alias(name, alias, str(version)))
+
+
+def download_version(name: str, version: int, dst: Path) -> Path:
+    """Download the files of ``models:/<name>/<version>`` into ``dst`` (the registered folder as logged)."""
+    import mlflow
+
+    uri = default_tracking_uri()
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(uri)
+    return Path(mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{name}/{version}", dst_path=str(dst)))
+
+
+def download_artifact_text(location: str) -> str:
+    """The text of one artifact in a store only MLflow's downloaders read (s3, gs, ...)."""
+    import tempfile
+
+    import mlflow
+
+    with tempfile.TemporaryDirectory() as tmp:
+        return Path(mlflow.artifacts.download_artifacts(artifact_uri=location, dst_path=tmp)).read_text("utf-8")
