@@ -439,20 +439,28 @@ def _read_inputs(section: EvaluateParams, where: EvaluatePaths) -> tuple[dict, l
     return verifier_manifest, prompts, arm_paths, upstream
 
 
-def _load_models(
-    verifier_dir: Path, arm_paths: dict[str, Path], device: str, dtype: torch.dtype
-) -> tuple[Any, set[int], dict[str, Eagle3Drafter]]:
-    """The verifier, its end-of-turn ids and one drafter per arm, on ``device`` in ``dtype``."""
-    from expman.data.verifier import load_tokenizer, load_verifier
-    from expman.drafter.objective import VerifierHead
+@dataclass(frozen=True)
+class _Decoding:
+    """What a decoding process loads and how it decodes; picklable, so a worker process gets it whole."""
 
-    verifier = read_manifest(verifier_dir / "manifest.json", "prepare")["verifier"]
-    embedding = VerifierHead.load(verifier_dir).embed
-    drafters = {arm: _load_arm(path, embedding, verifier, device, dtype) for arm, path in arm_paths.items()}
-    model = load_verifier(verifier_dir, device, dtype)
-    eos = model.generation_config.eos_token_id
-    eos_ids = set(eos if isinstance(eos, list) else [eos]) | {load_tokenizer(verifier_dir).eos_token_id}
-    return model, eos_ids, drafters
+    section: EvaluateParams
+    verifier: Path
+    arms: dict[str, Path]
+    device: str
+    dtype: torch.dtype
+
+    def load(self) -> tuple[Any, set[int], dict[str, Eagle3Drafter]]:
+        """The verifier, its end-of-turn ids and one drafter per arm."""
+        from expman.data.verifier import load_tokenizer, load_verifier
+        from expman.drafter.objective import VerifierHead
+
+        facts = read_manifest(self.verifier / "manifest.json", "prepare")["verifier"]
+        embedding = VerifierHead.load(self.verifier).embed
+        drafters = {arm: _load_arm(p, embedding, facts, self.device, self.dtype) for arm, p in self.arms.items()}
+        model = load_verifier(self.verifier, self.device, self.dtype)
+        eos = model.generation_config.eos_token_id
+        eos_ids = set(eos if isinstance(eos, list) else [eos]) | {load_tokenizer(self.verifier).eos_token_id}
+        return model, eos_ids, drafters
 
 
 def _checked_aux_layers(
@@ -489,54 +497,31 @@ def _prompt_row(model, drafters: dict[str, Any], record: dict[str, Any], section
     return row
 
 
-def _decode_rows(
-    section: EvaluateParams,
-    verifier_dir: Path,
-    arm_paths: dict[str, Path],
-    device: str,
-    dtype: torch.dtype,
-    prompts: list[dict[str, Any]],
-) -> Iterator[dict[str, Any]]:
+def _decode_rows(decoding: _Decoding, prompts: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
     """Load the models, warm them up outside the timings, then yield the prompts' rows one by one, the arms
     interleaved."""
-    model, eos_ids, drafters = _load_models(verifier_dir, arm_paths, device, dtype)
+    model, eos_ids, drafters = decoding.load()
     first = prompts[0]["input_ids"][: prompts[0]["prompt_tokens"]]
     greedy_decode(model, first, 8, eos_ids)
     for drafter in drafters.values():
-        speculative_decode(model, drafter, first, max(section.ks), 8, eos_ids)
+        speculative_decode(model, drafter, first, max(decoding.section.ks), 8, eos_ids)
     for record in prompts:
-        yield _prompt_row(model, drafters, record, section, eos_ids)
+        yield _prompt_row(model, drafters, record, decoding.section, eos_ids)
 
 
-def _decode_worker(
-    section: EvaluateParams,
-    verifier_dir: Path,
-    arm_paths: dict[str, Path],
-    device: str,
-    dtype: torch.dtype,
-    prompts: list[dict[str, Any]],
-    rows_path: Path,
-    threads: int,
-) -> None:
+def _decode_worker(decoding: _Decoding, prompts: list[dict[str, Any]], rows_path: Path, threads: int) -> None:
     """A worker process: its share of the prompts, one JSON row per line as each finishes."""
     import json
 
     torch.set_num_threads(threads)
     with rows_path.open("w") as out:
-        for row in _decode_rows(section, verifier_dir, arm_paths, device, dtype, prompts):
+        for row in _decode_rows(decoding, prompts):
             out.write(json.dumps(row) + "\n")
             out.flush()
 
 
-def _decode_in_workers(
-    section: EvaluateParams,
-    verifier_dir: Path,
-    arm_paths: dict[str, Path],
-    device: str,
-    dtype: torch.dtype,
-    prompts: list[dict[str, Any]],
-) -> list[dict[str, Any]]:
-    """Prompts dealt round-robin to ``section.workers`` processes, each with its own verifier and drafters (a batch-1
+def _decode_in_workers(decoding: _Decoding, prompts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Prompts dealt round-robin to ``evaluate.workers`` processes, each with its own verifier and drafters (a batch-1
     decode on a GPU is bound by kernel launches, so one GPU serves several); rows come back in prompt order."""
     import json
     import os
@@ -544,15 +529,15 @@ def _decode_in_workers(
 
     from tqdm import tqdm
 
-    workers = min(section.workers, len(prompts))
-    threads = 1 if device.startswith("cuda") else max(1, (os.cpu_count() or 1) // workers)
+    workers = min(decoding.section.workers, len(prompts))
+    threads = 1 if decoding.device.startswith("cuda") else max(1, (os.cpu_count() or 1) // workers)
     context = torch.multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="expman-evaluate-") as folder:
         files = [Path(folder) / f"worker-{i}.jsonl" for i in range(workers)]
         processes = [
             context.Process(
                 target=_decode_worker,
-                args=(section, verifier_dir, arm_paths, device, dtype, prompts[i::workers], files[i], threads),
+                args=(decoding, prompts[i::workers], files[i], threads),
             )
             for i in range(workers)
         ]
@@ -576,20 +561,13 @@ def _decode_in_workers(
     return [rows[record["id"]] for record in prompts]
 
 
-def _measure(
-    section: EvaluateParams,
-    verifier_dir: Path,
-    arm_paths: dict[str, Path],
-    device: str,
-    dtype: torch.dtype,
-    prompts: list[dict[str, Any]],
-) -> list[dict[str, Any]]:
-    """Every prompt's row, in this process or in ``section.workers`` processes."""
+def _measure(decoding: _Decoding, prompts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every prompt's row, in this process or in ``evaluate.workers`` processes."""
     from tqdm import tqdm
 
-    if section.workers > 1:
-        return _decode_in_workers(section, verifier_dir, arm_paths, device, dtype, prompts)
-    decoded = _decode_rows(section, verifier_dir, arm_paths, device, dtype, prompts)
+    if decoding.section.workers > 1:
+        return _decode_in_workers(decoding, prompts)
+    decoded = _decode_rows(decoding, prompts)
     return list(tqdm(decoded, total=len(prompts), desc="evaluate", unit="prompt"))
 
 
@@ -617,7 +595,7 @@ def evaluate(params: Params, where: EvaluatePaths) -> dict[str, Any]:
     dtype = resolve_dtype(section.dtype, device)
     aux_layers = _checked_aux_layers(where.verifier, verifier_manifest["verifier"], arm_paths)
     with stage_run("evaluate", section.model_dump(), upstream) as run:
-        rows = _measure(section, where.verifier, arm_paths, device, dtype, prompts)
+        rows = _measure(_Decoding(section, where.verifier, arm_paths, device, dtype), prompts)
         summary = summarize(rows, list(arm_paths), section.ks)
         evaluation = {
             "ks": section.ks,
