@@ -174,7 +174,7 @@ def report(
         evaluation = json.loads(evaluation_file.read_text())
         tau = _tau(evaluation)
         result["candidate_tau_k3"] = tau["tau"]["candidate"].get("k3")
-        result["baseline_tau_k3"] = tau["tau"]["baseline"].get("k3")
+        result["baseline_tau_k3"] = tau["tau"].get("baseline", {}).get("k3")  # None: evaluated without that arm
         result["evaluate"] = {"device": evaluation["device"], "dtype": evaluation["dtype"], **tau}
     if engine is not None:
         bench = json.loads(engine.read_text())

@@ -157,6 +157,11 @@ def test_generate_answers_the_prompts_it_wrote_and_records_what_it_dropped(proje
     assert run.data.metrics["self_prompts.kept"] == 3
     assert run.data.params["self_prompts.seed"] == "0"
 
+    without = loaded.generate.model_copy(update={"self_prompts": SelfPromptParams(count=0)})
+    generate(loaded.model_copy(update={"generate": without}), GeneratePaths.default())  # count back to 0
+    assert sorted(p.name for p in (project / paths.GENERATED).iterdir() if p.is_dir()) == ["heldout", "train"]
+    assert "self_prompts" not in json.loads((project / paths.GENERATED / "manifest.json").read_text())
+
 
 @pytest.mark.slow
 def test_smollm2_writes_prompts_through_vllm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

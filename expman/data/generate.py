@@ -144,6 +144,16 @@ def _regenerate(
     return records
 
 
+def _remove_other_folders(out_dir: Path, keep: set[str]) -> None:
+    """Delete the folders of splits or self prompts that the current plan no longer has (self_prompts.count back
+    to 0, a split's dataset removed), so the output holds only what its manifest lists."""
+    import shutil
+
+    for folder in out_dir.iterdir():
+        if folder.is_dir() and not folder.name.startswith(".") and folder.name not in keep:
+            shutil.rmtree(folder)
+
+
 def _self_prompts(
     verifier_dir: Path,
     section: GenerateParams,
@@ -295,6 +305,7 @@ def generate(params: Params, where: GeneratePaths) -> dict[str, Any]:
         facts = {"backend": section.backend, "verifier": verifier_manifest["verifier"], "splits": splits}
         if self_prompted is not None:
             facts["self_prompts"] = self_prompted
+        _remove_other_folders(where.out, {*splits, *(["self_prompts"] if self_prompted else [])})
         remove_stale_temps(where.out / "manifest.json")  # left by a kill during an earlier write
         return run.write_manifest(where.out / "manifest.json", facts)
 
