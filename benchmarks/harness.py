@@ -180,12 +180,12 @@ def greedy_equality(evaluation: dict[str, Any], arm: str) -> dict[str, dict[str,
 
 
 def write_report(path: Path | None, report: dict[str, Any], *, machine: bool = True) -> None:
-    """Print the result JSON and write it to ``path`` (if given) atomically. Unless the report sets its own, it
-    gets the package versions (torch, transformers, ...) and, with ``machine``, this machine's facts: leave
-    ``machine`` off only for a report made away from the machine that measured."""
+    """Print the result JSON and write it to ``path`` (if given) atomically. With ``machine`` it records this
+    machine's facts and package versions (torch, transformers, ...; beside any others the report names): leave it
+    off only for a report made away from the machine that measured."""
     full = dict(report)
     if machine:
-        full.setdefault("packages", package_versions())
+        full["packages"] = full.get("packages", {}) | package_versions()
         full["machine"] = machine_facts()
     text = json.dumps(full, indent=2)
     if path is not None:

@@ -15,7 +15,7 @@ replicating it; each process's peak memory shows what the sharding saves.
 
 from __future__ import annotations
 
-import itertools
+import functools
 import json
 import os
 import subprocess
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import click
 import torch
-from harness import SHAPES, header, shape_option, timed, write_report
+from harness import SHAPES, Timing, elapsed, header, shape_option, write_report
 from train_throughput import StepConfig, random_batch, random_drafter
 
 from expman.params import TrainParams
@@ -44,37 +44,35 @@ def _worker(config: StepConfig, micro_batches: int, fsdp: bool) -> dict:
     drafter = parallel.shard(drafter, "cuda", torch.bfloat16)
     optimizer, scheduler = new_optimizer(drafter, section, total_steps=config.warmup + config.steps)
     noise = torch.Generator(device="cuda").manual_seed(parallel.rank)
-    step_index, losses = itertools.count(), []
+    losses, times = [], []
 
-    def draw() -> list:
-        """This process's micro-batches of the next step: micro-batch i of step s drawn from seed (s, i)."""
-        step = next(step_index)
+    def draw(step: int) -> list:
+        """This process's micro-batches of ``step``: micro-batch i of step s is drawn from seed (s, i)."""
         mine = range(parallel.rank * accumulate, (parallel.rank + 1) * accumulate)
-        return [
-            random_batch(
-                shape, config.tokens, config.document, torch.Generator("cuda").manual_seed(1000 * step + i), "cuda"
-            )
-            for i in mine
-        ]
+        seeds = [torch.Generator("cuda").manual_seed(1000 * step + i) for i in mine]
+        return [random_batch(shape, config.tokens, config.document, seed, "cuda") for seed in seeds]
 
-    def step(batches: list) -> None:
-        metrics = training_step(
-            drafter, head, batches, optimizer, scheduler, section, noise, "cuda", micro_batches, parallel
+    for step in range(config.warmup + config.steps):
+        batches = draw(step)
+        run = functools.partial(
+            training_step, drafter, head, batches, optimizer, scheduler, section, noise, "cuda", micro_batches, parallel
         )
-        losses.append(metrics["loss"].reshape(1).float())
-
-    times = timed(step, config.steps, warmup=config.warmup, setup=draw, device="cuda")
-    for loss in losses:  # after the clock: the mean over the global batch of every step, warm-up's included
+        seconds, metrics = elapsed(run, "cuda")
+        if step >= config.warmup:
+            times.append(seconds)
+        loss = metrics["loss"].reshape(1).float()  # the mean over the global batch, off the clock, every step
         if parallel.world > 1:
             torch.distributed.all_reduce(loss)
+        losses.append(loss.item() / parallel.world)
     parallel.close()
+    timing = Timing(times)
     return {
         "processes": parallel.world,
         "fsdp": parallel.sharded,
         "accumulate": accumulate,
-        "step_s": times.summary(),
-        "tok_per_s": micro_batches * config.tokens / times.median,
-        "losses": [loss.item() / parallel.world for loss in losses],
+        "step_s": timing.summary(),
+        "tok_per_s": micro_batches * config.tokens / timing.median,
+        "losses": losses,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
     }
 
