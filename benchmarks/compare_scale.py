@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -28,7 +26,7 @@ import click
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # tests.registry_fixtures: the evaluation.json generator the tests use
 
-from reporting import cpu_name, write_report  # noqa: E402
+from harness import timed, write_report  # noqa: E402
 
 from expman.provenance import package_versions  # noqa: E402
 from tests.registry_fixtures import synthetic_evaluation  # noqa: E402
@@ -79,19 +77,18 @@ def build_store(root: Path, versions: int, prompts: int) -> str:
 
 
 def _time(command: list[str], cwd: Path, env: dict[str, str], repeats: int) -> dict[str, object]:
-    seconds = []
-    for _ in range(repeats):
-        started = time.perf_counter()
+    def run() -> None:
         done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True)
-        seconds.append(time.perf_counter() - started)
         if done.returncode != 0:
             raise SystemExit(f"{' '.join(command)} failed: {done.stderr.strip()}")
+
+    timing = timed(run, repeats)
     return {
         "command": " ".join([Path(command[0]).name, *command[1:]]),
-        "median_s": statistics.median(seconds),
-        "min_s": min(seconds),
-        "max_s": max(seconds),
-        "runs_s": seconds,
+        "median_s": timing.median,
+        "min_s": min(timing.samples),
+        "max_s": max(timing.samples),
+        "runs_s": timing.samples,
     }
 
 
@@ -131,17 +128,11 @@ def main(versions: int, prompts: int, repeats: int, out: Path | None) -> None:
                 "import_mlflow": _time([sys.executable, "-c", "import mlflow"], root, env, 3),
             },
             "goal_s": 2.0,
-            "machine": {
-                "cpu": cpu_name(),
-                "cores": os.cpu_count(),
-                "platform": platform.platform(),
-                "python": platform.python_version(),
-            },
             "packages": package_versions() | {"sqlalchemy": _version("sqlalchemy"), "numpy": _version("numpy")},
         }
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    write_report(result, out)
+    write_report(out, result)
 
 
 def _version(package: str) -> str:

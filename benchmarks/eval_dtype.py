@@ -13,19 +13,16 @@ largest tie gap in units in the last place).
 from __future__ import annotations
 
 import json
-import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import click
-import torch
-from reporting import cpu_name, greedy_equality, write_report
+from harness import greedy_equality, header, write_report
 
-from expman import paths
 from expman.evaluation.evaluate import evaluate
 from expman.params import load_params
 from expman.paths import EvaluatePaths
-from expman.provenance import package_versions
 
 
 def _arm_rows(evaluation: dict, arm: str) -> dict:
@@ -48,33 +45,22 @@ def main(dtypes: tuple[str, ...], params_file: Path, work: Path, out: Path | Non
     for dtype in dtypes:
         section = params.evaluate.model_copy(update={"dtype": dtype})
         started = time.perf_counter()
-        where = EvaluatePaths(
-            paths.VERIFIER,
-            paths.GENERATED,
-            paths.DRAFTER,
-            work / dtype,
-            work / dtype / "summary.json",
-            work / dtype / "plots",
-        )
+        folder = work / dtype
+        where = replace(EvaluatePaths.default(), out=folder, metrics=folder / "summary.json", plots=folder / "plots")
         evaluate(params.model_copy(update={"evaluate": section}), where)
-        evaluation = json.loads((work / dtype / "evaluation.json").read_text())
+        evaluation = json.loads((folder / "evaluation.json").read_text())
         results[dtype] = {
             "seconds": time.perf_counter() - started,
             "nospec_tok_per_s": evaluation["summary"]["nospec"]["tok_per_s"],
             **{arm: _arm_rows(evaluation, arm) for arm in ("candidate", "baseline") if arm in evaluation["summary"]},
         }
-    report = {
-        "benchmark": "eval_dtype",
-        "command": "python " + " ".join(sys.argv),
-        "device": cpu_name(),
-        "cpu_threads": torch.get_num_threads(),
+    report = header("eval_dtype", "cpu") | {
         "preset": params.preset,
         "prompts": evaluation["summary"]["prompts"],
         "max_new_tokens": params.evaluate.max_new_tokens,
         "dtypes": results,
-        "packages": package_versions(),
     }
-    write_report(report, out)
+    write_report(out, report)
 
 
 if __name__ == "__main__":

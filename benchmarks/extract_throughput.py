@@ -29,21 +29,18 @@ from __future__ import annotations
 
 import os
 import shutil
-import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import click
 import torch
-from reporting import SHAPES, cpu_name, write_report
+from harness import SHAPES, header, shape_option, timed, write_report
 
 from expman.data.extract import CaptureHooks, capture_contract, extract_shard, greedy_tokens, write_shards
 from expman.data.shards import ShardSet
 from expman.data.verifier import load_verifier, resolve_device, resolve_dtype
 from expman.params import ExtractParams
-from expman.provenance import package_versions
 
 
 def _random_verifier(shape: str) -> torch.nn.Module:
@@ -62,24 +59,6 @@ def _samples(vocab: int, count: int, length: int, seed: int) -> list[dict]:
         {"id": f"s{k:05d}", "ids": ids.tolist(), "prompt_tokens": 32}
         for k, ids in enumerate(torch.randint(0, vocab, (count, length), generator=generator))
     ]
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _timed(fn, repeats: int, setup=lambda: None) -> float:
-    """Median seconds of ``fn`` over ``repeats`` runs (``setup`` runs untimed before each)."""
-    times = []
-    for _ in range(repeats):
-        setup()
-        _sync()
-        started = time.perf_counter()
-        fn()
-        _sync()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
 
 
 def _disk_write_bandwidth(folder: Path, file_bytes: int, files: int) -> float:
@@ -101,7 +80,7 @@ def _disk_write_bandwidth(folder: Path, file_bytes: int, files: int) -> float:
 @click.command()
 @click.option("--verifier", type=click.Path(exists=True, path_type=Path), help="a prepared verifier folder (CPU)")
 @click.option("--gpu", is_flag=True, help="Llama-3.1-8B's shape with random weights on CUDA")
-@click.option("--shape", type=click.Choice(sorted(SHAPES)), default="llama3-8b", show_default=True, help="with --gpu")
+@shape_option("llama3-8b", help="with --gpu")
 @click.option("--samples", type=int, help="sequences in all  [default: 8 on CPU, 768 with --gpu]")
 @click.option("--samples-per-shard", default=8, show_default=True, help="8 × 2048 tokens of Llama-3.1-8B: 0.5 GiB")
 @click.option("--length", type=int, help="tokens per sequence  [default: 512 on CPU, 2048 with --gpu]")
@@ -164,30 +143,31 @@ def main(
 
     computed_at: list[float] = []  # when each shard had computed (its writes queued)
 
-    def expman() -> None:
+    def expman(shards: Path) -> None:
         computed_at.clear()
         write_shards(
             lambda: capture,
             batch,
             section,
             contract,
-            ShardSet(root / "shards"),
+            ShardSet(shards),
             device,
             lambda _tokens: computed_at.append(time.perf_counter()),
         )
         computed_at.append(time.perf_counter())
 
-    def fresh_folder() -> None:
+    def fresh_folder() -> Path:
         shutil.rmtree(root / "shards", ignore_errors=True)
+        return root / "shards"
 
     warm = batch[: 3 * samples_per_shard]  # warm-up: kernels chosen, allocator and pinned-memory caches filled
     for start in range(0, len(warm), samples_per_shard):
         extract_shard(capture, warm[start : start + samples_per_shard], section, device)
     seconds = {
-        "bare": _timed(bare, repeats),
-        "greedy": _timed(greedy, repeats),
-        "capture": _timed(capture_only, repeats),
-        "expman": _timed(expman, repeats, setup=fresh_folder),
+        "bare": timed(bare, repeats, device=device).median,
+        "greedy": timed(greedy, repeats, device=device).median,
+        "capture": timed(capture_only, repeats, device=device).median,
+        "expman": timed(expman, repeats, setup=fresh_folder, device=device).median,
     }
     drain = computed_at[-1] - computed_at[-2]  # the last run's: from its last shard computed to its writes done
     stored = sum(p.stat().st_size for p in (root / "shards").glob("*.safetensors"))
@@ -200,7 +180,7 @@ def main(
                 [h.to(torch.bfloat16).cpu() for h in out.hidden_states]
 
     arms = {name: {"median_s": s, "tok_per_s": tokens / s} for name, s in seconds.items()}
-    naive_s = _timed(naive, repeats)
+    naive_s = timed(naive, repeats, device=device).median
     arms["naive"] = {"median_s": naive_s, "tok_per_s": naive_samples * length / naive_s}
     fresh_folder()
     shard_bytes = stored // max(1, -(-samples // samples_per_shard))
@@ -210,11 +190,7 @@ def main(
     disk_ceiling = disk_bps / bytes_per_token
     ceiling = min(arms["bare"]["tok_per_s"], disk_ceiling)
     hidden_bytes = 4 * config.hidden_size * 2
-    report = {
-        "benchmark": "extract_throughput",
-        "command": "python " + " ".join(sys.argv),
-        "device": torch.cuda.get_device_name() if device == "cuda" else cpu_name(),
-        "cpu_threads": torch.get_num_threads(),
+    report = header("extract_throughput", device) | {
         "dtype": str(dtype),
         "attention": config._attn_implementation,
         "model": {"layers": config.num_hidden_layers, "hidden": config.hidden_size, "vocab": config.vocab_size},
@@ -233,9 +209,8 @@ def main(
         "bytes_per_token": bytes_per_token,
         "hidden_bytes_per_token": hidden_bytes,
         "bytes_ratio": bytes_per_token / hidden_bytes,
-        "packages": package_versions(),
     }
-    write_report(report, out)
+    write_report(out, report)
 
 
 if __name__ == "__main__":

@@ -35,12 +35,12 @@ from pathlib import Path
 
 import click
 import yaml
-from reporting import cpu_name, write_report
+from harness import cpu_name, header, write_report
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # tests.conftest: the tiny random verifier and tiny params the tests use
 
-from expman.provenance import package_versions, sha256_file  # noqa: E402
+from expman.provenance import sha256_file  # noqa: E402
 from tests.conftest import make_tiny_verifier, tiny_params, write_prompts  # noqa: E402
 
 PROMPTS = {"train": 320, "heldout": 4}
@@ -279,9 +279,7 @@ def main(trials: int, seed: int, threads: int, workdir: Path | None, out: Path |
         if stage.name == "train":
             must_run(project, "vocab", project / "logs/vocab.log")
         stages[stage.name] = stage_trials(project, stage, STAGES[:index], trials, rng)
-    report = {
-        "benchmark": "kill_trials",
-        "command": "python " + " ".join(sys.argv),
+    report = header("kill_trials") | {
         "cpu": cpu_name(),
         "cpu_count": os.cpu_count(),
         "load_average_1m": {"start": load_before[0], "end": os.getloadavg()[0]},
@@ -296,11 +294,10 @@ def main(trials: int, seed: int, threads: int, workdir: Path | None, out: Path |
         "all_equal": all(s["all_equal"] and s["upstream_intact"] for s in stages.values()),
         "stages": stages,
         "total_s": round(time.perf_counter() - started, 1),
-        "packages": package_versions(),
     }
     if workdir is None:
         shutil.rmtree(base)
-    write_report(report, out)
+    write_report(out, report)
 
 
 if __name__ == "__main__":

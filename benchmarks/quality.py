@@ -24,18 +24,19 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import click
-from reporting import cpu_name, greedy_equality, write_report
+from harness import cpu_name, greedy_equality, header, write_report
 
 from expman import paths
 from expman.data.generate import read_responses
 from expman.evaluation.evaluate import evaluate, select_prompts
 from expman.params import Params, load_params
 from expman.paths import BenchmarkPaths, EvaluatePaths, TrainPaths
-from expman.provenance import package_versions, read_manifest
+from expman.provenance import read_manifest
 
 
 def _step(done: Path, run: Any) -> dict[str, Any]:
@@ -62,33 +63,30 @@ def _scratch(params: Params, folder: Path) -> dict[str, Any]:
 
     section = params.train.model_copy(update={"finetune_from": None})
     started = time.perf_counter()
-    where = TrainPaths(
-        paths.VERIFIER,
-        paths.EXTRACT,
-        paths.VOCAB,
-        folder / "drafter",
-        folder / ".train-state",
-        folder / "train.json",
-        None,
+    drafter = folder / "drafter"
+    train(
+        section,
+        replace(
+            TrainPaths.default(), out=drafter, state=folder / ".train-state", metrics=folder / "train.json", plots=None
+        ),
     )
-    train(section, where)
     train_s = time.perf_counter() - started
     alone = params.model_copy(update={"evaluate": params.evaluate.model_copy(update={"baseline": None})})
+    evaluated = folder / "evaluate"
     evaluate(
         alone,
-        EvaluatePaths(
-            paths.VERIFIER,
-            paths.GENERATED,
-            folder / "drafter",
-            folder / "evaluate",
-            folder / "evaluate.json",
-            folder / "plots",
+        replace(
+            EvaluatePaths.default(),
+            drafter=drafter,
+            out=evaluated,
+            metrics=folder / "evaluate.json",
+            plots=folder / "plots",
         ),
     )
     benchmark(
         alone,
-        BenchmarkPaths(
-            paths.VERIFIER, paths.GENERATED, folder / "evaluate", folder / "benchmark", folder / "benchmark.json"
+        replace(
+            BenchmarkPaths.default(), evaluate=evaluated, out=folder / "benchmark", metrics=folder / "benchmark.json"
         ),
     )
     return {"train_s": train_s}
@@ -256,30 +254,25 @@ def main(peer: Path, preset: str, work: Path, peer_budget_s: float | None, out: 
         if "k3" in engine["candidate"]
         else None,
     }
-    write_report(
-        {
-            "benchmark": "quality",
-            "command": "python " + " ".join(sys.argv),
-            "device": cpu_name(),
-            "cpu_threads": os.cpu_count(),
-            "preset": preset,
-            "params": params.model_dump(mode="json", by_alias=True),
-            "data": {**extract["totals"], "train_responses": len(read_responses(paths.GENERATED, "train"))},
-            "seconds": {
-                "repro": repro["seconds"],
-                "scratch": scratch["seconds"],
-                "scratch_train": scratch["train_s"],
-                "peer_extract": peer_extract["extract_s"],
-                "peer_train": theirs["train_s"],
-                "peer_train_budget": theirs["budget_s"],
-            },
-            "reference": reference,
-            "vllm": engine,
-            "goals": goals,
-            "packages": package_versions(),
+    report = header("quality") | {
+        "device": cpu_name(),
+        "cpu_threads": os.cpu_count(),
+        "preset": preset,
+        "params": params.model_dump(mode="json", by_alias=True),
+        "data": {**extract["totals"], "train_responses": len(read_responses(paths.GENERATED, "train"))},
+        "seconds": {
+            "repro": repro["seconds"],
+            "scratch": scratch["seconds"],
+            "scratch_train": scratch["train_s"],
+            "peer_extract": peer_extract["extract_s"],
+            "peer_train": theirs["train_s"],
+            "peer_train_budget": theirs["budget_s"],
         },
-        out,
-    )
+        "reference": reference,
+        "vllm": engine,
+        "goals": goals,
+    }
+    write_report(out, report)
 
 
 if __name__ == "__main__":

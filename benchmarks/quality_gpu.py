@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import click
-from reporting import cpu_flags, cpu_name, write_report
+from harness import cpu_flags, cpu_name, write_report
 
 STAGES = ("prepare", "generate", "extract", "vocab", "baseline", "train", "evaluate", "benchmark", "register")
 INTERRUPTED = 75  # EX_TEMPFAIL: stopped at the deadline, run again
@@ -187,7 +187,7 @@ def report(
             "reference_tau": {name: {k: v["reference"]["tau"] for k, v in a["k"].items()} for name, a in arms.items()},
             "integration_fault": {name: arm.get("integration_fault") for name, arm in arms.items()},
         }
-    write_report(result, out)
+    write_report(out, result, machine=device_name is None and device_cpu is None)
 
 
 if __name__ == "__main__":

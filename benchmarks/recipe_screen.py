@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import click
 import yaml
-from reporting import cpu_name, write_report
+from harness import cpu_name, write_report
 
 from expman import paths
 from expman.data.extract import extract
@@ -74,20 +75,16 @@ def main(name: str, changes: dict[str, Any], sample_share: float, params_file: s
         params = _with_changes(params, {"extract.shard_dir": str(extract_dir / "shards")})
         extract(params, ExtractPaths(paths.VERIFIER, paths.GENERATED, extract_dir))
     started = time.perf_counter()
-    train(
-        params.train,
-        TrainPaths(
-            paths.VERIFIER,
-            extract_dir,
-            vocab_dir,
-            folder / "drafter",
-            folder / ".train-state",
-            folder / "train.json",
-            None,
-        ),
-        stage=f"screen-{name}",
-        sample_share=sample_share,
+    where = replace(
+        TrainPaths.default(),
+        extract=extract_dir,
+        vocab=vocab_dir,
+        out=folder / "drafter",
+        state=folder / ".train-state",
+        metrics=folder / "train.json",
+        plots=None,
     )
+    train(params.train, where, stage=f"screen-{name}", sample_share=sample_share)
     seconds = time.perf_counter() - started
     metrics = json.loads((folder / "train.json").read_text())
     steps = params.train.ttt_steps
@@ -110,7 +107,7 @@ def main(name: str, changes: dict[str, Any], sample_share: float, params_file: s
     table = json.loads(out.read_text()) if out.is_file() else {"benchmark": "quality_tuning", "rows": []}
     table["device"] = cpu_name()
     table["rows"] = [r for r in table["rows"] if r["name"] != name] + [row]
-    write_report(table, out)
+    write_report(out, table)
 
 
 if __name__ == "__main__":

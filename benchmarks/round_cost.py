@@ -14,19 +14,16 @@ for a speedup of 1.3 (the quality goal).
 from __future__ import annotations
 
 import statistics
-import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import click
 import torch
-from reporting import SHAPES, cpu_name, write_report
+from harness import SHAPES, elapsed, header, shape_option, write_report
 
 from expman.data.extract import default_aux_layers
 from expman.drafter.model import DrafterConfig, Eagle3Drafter
 from expman.evaluation.evaluate import DrafterSession, VerifierSession
-from expman.provenance import package_versions
 
 
 def _median_ms(parts: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
@@ -35,10 +32,9 @@ def _median_ms(parts: dict[str, Callable[[], object]], repeats: int) -> dict[str
     times: dict[str, list[float]] = {name: [] for name in parts}
     for turn in range(repeats + 2):
         for name, run in parts.items():
-            started = time.perf_counter()
-            run()
+            seconds, _ = elapsed(run)
             if turn >= 2:
-                times[name].append(time.perf_counter() - started)
+                times[name].append(seconds)
     return {name: statistics.median(values) * 1e3 for name, values in times.items()}
 
 
@@ -98,7 +94,7 @@ def measure(shape: dict, dtype: torch.dtype, draft_vocab: int, context: int, ks:
 
 
 @click.command()
-@click.option("--shape", type=click.Choice(sorted(SHAPES)), default="smollm2-135m", show_default=True)
+@shape_option("smollm2-135m")
 @click.option("--dtype", "dtypes", multiple=True, default=["float32", "bfloat16"], show_default=True)
 @click.option("--draft-vocab", type=int, default=8192, show_default=True)
 @click.option("--context", type=int, default=160, show_default=True, help="tokens already in the KV cache")
@@ -108,11 +104,7 @@ def measure(shape: dict, dtype: torch.dtype, draft_vocab: int, context: int, ks:
 def main(
     shape: str, dtypes: tuple[str, ...], draft_vocab: int, context: int, ks: tuple[int, ...], repeats: int, out: Path
 ) -> None:
-    report = {
-        "benchmark": "round_cost",
-        "command": "python " + " ".join(sys.argv),
-        "device": cpu_name(),
-        "cpu_threads": torch.get_num_threads(),
+    report = header("round_cost", "cpu") | {
         "shape": shape,
         "draft_vocab": draft_vocab,
         "context": context,
@@ -121,9 +113,8 @@ def main(
             name: measure(SHAPES[shape], getattr(torch, name), draft_vocab, context, list(ks), repeats)
             for name in dtypes
         },
-        "packages": package_versions(),
     }
-    write_report(report, out)
+    write_report(out, report)
 
 
 if __name__ == "__main__":

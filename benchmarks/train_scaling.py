@@ -15,70 +15,63 @@ replicating it; each process's peak memory shows what the sharding saves.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
+from dataclasses import asdict
 from pathlib import Path
 
 import click
 import torch
-from reporting import SHAPES, write_report
-from train_throughput import random_batch, random_drafter
+from harness import SHAPES, Timing, elapsed, header, shape_option, write_report
+from train_throughput import StepConfig, random_batch, random_drafter
 
 from expman.params import TrainParams
-from expman.provenance import package_versions
 from expman.training.parallel import DataParallel
 from expman.training.train import new_optimizer, training_step
 
 
-def _worker(
-    shape_name: str,
-    ttt: int,
-    tokens: int,
-    document: int,
-    draft_vocab: int,
-    steps: int,
-    warmup: int,
-    micro_batches: int,
-    fsdp: bool,
-) -> dict:
+def _worker(config: StepConfig, micro_batches: int, fsdp: bool) -> dict:
     parallel = DataParallel.from_env("cuda", fsdp)
     accumulate = micro_batches // parallel.world
-    shape = SHAPES[shape_name]
-    section = TrainParams(ttt_steps=ttt, max_tokens=tokens, noise_std=0.0, accumulate=accumulate, fsdp=fsdp)
-    drafter, head = random_drafter(shape, section, draft_vocab, "cuda")
+    shape = SHAPES[config.shape]
+    section = TrainParams(
+        ttt_steps=config.ttt, max_tokens=config.tokens, noise_std=0.0, accumulate=accumulate, fsdp=fsdp
+    )
+    drafter, head = random_drafter(shape, section, config.draft_vocab, "cuda")
     drafter = parallel.shard(drafter, "cuda", torch.bfloat16)
-    optimizer, scheduler = new_optimizer(drafter, section, total_steps=warmup + steps)
+    optimizer, scheduler = new_optimizer(drafter, section, total_steps=config.warmup + config.steps)
     noise = torch.Generator(device="cuda").manual_seed(parallel.rank)
     losses, times = [], []
-    for step in range(warmup + steps):
+
+    def draw(step: int) -> list:
+        """This process's micro-batches of ``step``: micro-batch i of step s is drawn from seed (s, i)."""
         mine = range(parallel.rank * accumulate, (parallel.rank + 1) * accumulate)
-        batches = [
-            random_batch(shape, tokens, document, torch.Generator("cuda").manual_seed(1000 * step + i), "cuda")
-            for i in mine
-        ]
-        torch.cuda.synchronize()
-        started = time.perf_counter()
-        metrics = training_step(
-            drafter, head, batches, optimizer, scheduler, section, noise, "cuda", micro_batches, parallel
+        seeds = [torch.Generator("cuda").manual_seed(1000 * step + i) for i in mine]
+        return [random_batch(shape, config.tokens, config.document, seed, "cuda") for seed in seeds]
+
+    for step in range(config.warmup + config.steps):
+        batches = draw(step)
+        run = functools.partial(
+            training_step, drafter, head, batches, optimizer, scheduler, section, noise, "cuda", micro_batches, parallel
         )
-        torch.cuda.synchronize()
-        if step >= warmup:
-            times.append(time.perf_counter() - started)
-        loss = metrics["loss"].reshape(1).float()
+        seconds, metrics = elapsed(run, "cuda")
+        if step >= config.warmup:
+            times.append(seconds)
+        loss = metrics["loss"].reshape(1).float()  # the mean over the global batch, off the clock, every step
         if parallel.world > 1:
             torch.distributed.all_reduce(loss)
         losses.append(loss.item() / parallel.world)
     parallel.close()
+    timing = Timing(times)
     return {
         "processes": parallel.world,
         "fsdp": parallel.sharded,
         "accumulate": accumulate,
-        "step_s": {"median": statistics.median(times), "min": min(times), "max": max(times)},
-        "tok_per_s": micro_batches * tokens / statistics.median(times),
+        "step_s": timing.summary(),
+        "tok_per_s": micro_batches * config.tokens / timing.median,
         "losses": losses,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
     }
@@ -110,7 +103,7 @@ def _launch(processes: int, options: dict) -> dict:
 
 @click.command()
 @click.option("--gpus", default=2, show_default=True)
-@click.option("--shape", type=click.Choice(sorted(SHAPES)), default="llama3-8b", show_default=True)
+@shape_option("llama3-8b")
 @click.option("--ttt", default=3, show_default=True)
 @click.option("--tokens", default=8192, show_default=True, help="tokens per micro-batch")
 @click.option("--document", default=2048, show_default=True)
@@ -137,39 +130,26 @@ def main(
     micro_batches: int | None,
     out: Path,
 ) -> None:
+    config = StepConfig(shape, ttt, tokens, document, draft_vocab, steps, warmup)
     if worker:
-        result = _worker(shape, ttt, tokens, document, draft_vocab, steps, warmup, micro_batches, fsdp)
+        result = _worker(config, micro_batches, fsdp)
         if int(os.environ.get("RANK", "0")) == 0:
             click.echo(json.dumps(result))
         return
-    options = {
-        "shape": shape,
-        "ttt": ttt,
-        "tokens": tokens,
-        "document": document,
-        "draft_vocab": draft_vocab,
-        "steps": steps,
-        "warmup": warmup,
-        "micro_batches": gpus,
-    }
+    options = asdict(config) | {"micro_batches": gpus}
     one, many = _launch(1, options), _launch(gpus, options | {"fsdp": fsdp})
     gaps = [abs(a - b) for a, b in zip(one["losses"], many["losses"], strict=True)]
-    write_report(
-        {
-            "benchmark": "train_scaling",
-            "command": "python " + " ".join(sys.argv),
-            "device": f"{gpus} × {torch.cuda.get_device_name()}",
-            "config": options | {"noise_std": 0.0},
-            "one_gpu": one,
-            "n_gpus": many,
-            "loss_max_abs_diff": max(gaps),
-            "loss_max_rel_diff": max(g / a for g, a in zip(gaps, one["losses"], strict=True)),
-            "scaling_efficiency": one["step_s"]["median"] / (gpus * many["step_s"]["median"]),
-            "speedup": many["tok_per_s"] / one["tok_per_s"],
-            "packages": package_versions(),
-        },
-        out,
-    )
+    report = header("train_scaling") | {
+        "device": f"{gpus} × {torch.cuda.get_device_name()}",
+        "config": options | {"noise_std": 0.0},
+        "one_gpu": one,
+        "n_gpus": many,
+        "loss_max_abs_diff": max(gaps),
+        "loss_max_rel_diff": max(g / a for g, a in zip(gaps, one["losses"], strict=True)),
+        "scaling_efficiency": one["step_s"]["median"] / (gpus * many["step_s"]["median"]),
+        "speedup": many["tok_per_s"] / one["tok_per_s"],
+    }
+    write_report(out, report)
 
 
 if __name__ == "__main__":

@@ -25,21 +25,20 @@ import json
 import os
 import resource
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import click
 import torch
-from reporting import SHAPES, cpu_flags, cpu_name, write_report
-from train_throughput import measure, run_peer
+from harness import SHAPES, cpu_flags, cpu_name, header, write_report
+from train_throughput import StepConfig, measure, run_peer
 
 from expman.data.extract import save_streamed
 from expman.data.shards import ShardSet
 from expman.params import TrainParams
 from expman.paths import TrainPaths
-from expman.provenance import atomic_write_json, package_versions, sha256_json
+from expman.provenance import atomic_write_json, sha256_json
 
 DRAFT_VOCAB = {"cuda": 32000, "cpu": 8192}
 """The peer harness's draft vocab on GPU; the default graph's (vocab.draft_vocab_size) on the CPU."""
@@ -172,13 +171,13 @@ def run_stage(root: Path, section: TrainParams) -> dict:
             torch.cuda.reset_peak_memory_stats()
         started = time.perf_counter()
         where = TrainPaths(
-            root / "verifier",
-            root / "extract",
-            root / "vocab",
-            root / "drafter",
-            root / "state",
-            root / "metrics.json",
-            None,
+            verifier=root / "verifier",
+            extract=root / "extract",
+            vocab=root / "vocab",
+            out=root / "drafter",
+            state=root / "state",
+            metrics=root / "metrics.json",
+            plots=None,
         )
         manifest = train(section, where)
         seconds = time.perf_counter() - started
@@ -250,7 +249,7 @@ def main(
         finally:
             shutil.rmtree(root, ignore_errors=True)
         if gpu:
-            step = measure(shape_name, tokens, document, 3, DRAFT_VOCAB[device], 4, 12, device)
+            step = measure(StepConfig(shape_name, 3, tokens, document, DRAFT_VOCAB[device], 12, 4), device)
             row["step_tok_s"] = step["tok_per_s"]
             row["step_peak_gib"] = step["peak_gib"]
             row["stage_vs_step"] = min(row["stage_tok_s"]) / step["tok_per_s"]
@@ -261,20 +260,17 @@ def main(
                     row["speculators_tok_s"] = theirs["tok_per_s"]
                     row["stage_vs_speculators"] = min(row["stage_tok_s"]) / theirs["tok_per_s"]
         results.append(row)
-        write_report(_report(device, results), out)  # after each shape: a cut-off run keeps what it measured
+        write_report(out, _report(device, results))  # after each shape: a cut-off run keeps what it measured
 
 
 def _report(device: str, results: list) -> dict:
-    return {
-        "benchmark": "train_stage_throughput",
-        "command": "python " + " ".join(sys.argv),
+    return header("train_stage_throughput") | {
         "device": torch.cuda.get_device_name() if device == "cuda" else None,
         "cpu": cpu_name(),
         "cpu_flags": cpu_flags(),
         "cpu_threads": os.cpu_count(),
         "epoch_rate": "tokens of the epoch's steps / their seconds; the run's first step (compile) left out",
         "results": results,
-        "packages": package_versions(),
     }
 
 

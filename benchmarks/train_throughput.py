@@ -23,23 +23,21 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import click
 import torch
-from reporting import SHAPES, cpu_name, write_report
+from harness import SHAPES, header, shape_option, timed, write_report
 
 from expman.data.extract import default_aux_layers
 from expman.data.verifier import resolve_device
 from expman.drafter.model import DrafterConfig, Eagle3Drafter
 from expman.drafter.objective import Packed, VerifierHead
 from expman.params import TrainParams
-from expman.provenance import package_versions
 from expman.training.train import autocasts, compiles, new_optimizer, training_step
 
 PEAK_BF16_FLOPS = 790e12
@@ -47,6 +45,20 @@ PEAK_BF16_FLOPS = 790e12
 
 
 GPU_CONFIGS = [("llama3-8b", 3), ("llama3-8b", 7), ("kimi-k2", 3)]
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """What one measurement of the step runs: the verifier shape and TTT steps, the packed batch (``tokens`` in
+    documents of ``document``), the draft vocab, and how many steps are timed after how many untimed ones."""
+
+    shape: str
+    ttt: int
+    tokens: int
+    document: int
+    draft_vocab: int
+    steps: int
+    warmup: int
 
 
 def harness_flops_per_token(shape: dict, draft_vocab: int, document: int, ttt: int) -> float:
@@ -114,51 +126,41 @@ def random_drafter(
     return drafter, head
 
 
-def measure(
-    shape_name: str,
-    tokens: int,
-    document: int,
-    ttt: int,
-    draft_vocab: int,
-    warmup: int,
-    steps: int,
-    device: str,
-    profile: Path | None = None,
-) -> dict:
-    """Time ``steps`` training steps after ``warmup`` (compilation happens there) on fresh random batches."""
-    shape = SHAPES[shape_name]
-    section = TrainParams(ttt_steps=ttt, max_tokens=tokens)
-    drafter, head = random_drafter(shape, section, draft_vocab, device)
-    optimizer, scheduler = new_optimizer(drafter, section, total_steps=warmup + steps)
+def measure(config: StepConfig, device: str, profile: Path | None = None) -> dict:
+    """Time ``config.steps`` training steps after ``config.warmup`` (compilation happens there) on fresh random
+    batches."""
+    shape = SHAPES[config.shape]
+    section = TrainParams(ttt_steps=config.ttt, max_tokens=config.tokens)
+    drafter, head = random_drafter(shape, section, config.draft_vocab, device)
+    optimizer, scheduler = new_optimizer(drafter, section, total_steps=config.warmup + config.steps)
     generator = torch.Generator(device=device).manual_seed(1)
     noise = torch.Generator(device=device).manual_seed(0)
-    times, metrics = [], {}
-    for index in range(warmup + steps):
-        batch = random_batch(shape, tokens, document, generator, device)
-        if index == warmup and device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        started = time.perf_counter()
-        metrics = training_step(drafter, head, [batch], optimizer, scheduler, section, noise, device)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        if index >= warmup:
-            times.append(time.perf_counter() - started)
+    metrics = {}
+
+    def draw() -> Packed:
+        return random_batch(shape, config.tokens, config.document, generator, device)
+
+    def step(batch: Packed) -> None:
+        metrics.update(training_step(drafter, head, [batch], optimizer, scheduler, section, noise, device))
+
+    timed(step, config.warmup, setup=draw, device=device)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = timed(step, config.steps, setup=draw, device=device)
     if profile is not None:
-        _profile(lambda: training_step(drafter, head, [batch], optimizer, scheduler, section, noise, device), profile)
-    median = statistics.median(times)
-    flops = harness_flops_per_token(shape, draft_vocab, document, ttt)
+        batch = draw()
+        _profile(lambda: step(batch), profile)
+    flops = harness_flops_per_token(shape, config.draft_vocab, config.document, config.ttt)
     result = {
-        "shape": shape_name,
-        "ttt_steps": ttt,
-        "tokens_per_step": tokens,
-        "document_tokens": document,
-        "draft_vocab": draft_vocab,
+        "shape": config.shape,
+        "ttt_steps": config.ttt,
+        "tokens_per_step": config.tokens,
+        "document_tokens": config.document,
+        "draft_vocab": config.draft_vocab,
         "trainable_params": sum(p.numel() for p in drafter.parameters() if p.requires_grad),
-        "step_s": {"median": median, "min": min(times), "max": max(times)},
-        "tok_per_s": tokens / median,
-        "mfu_harness_count": tokens / median * flops / PEAK_BF16_FLOPS if device == "cuda" else None,
+        "step_s": times.summary(),
+        "tok_per_s": config.tokens / times.median,
+        "mfu_harness_count": config.tokens / times.median * flops / PEAK_BF16_FLOPS if device == "cuda" else None,
         "loss_last_step": float(metrics["loss"]),
     }
     if device == "cuda":
@@ -177,16 +179,17 @@ def _profile(step, out: Path) -> None:
     out.write_text(profiler.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70))
 
 
-def _measure_apart(config: str, **options) -> dict:
+def _measure_apart(config: StepConfig, device: str, profile: Path | None) -> dict:
     """One config in a fresh process, as the peer runs: no compile caches or allocator state carried over."""
-    argv = [sys.executable, __file__, "--config", config, "--out", os.devnull]
+    argv = [sys.executable, __file__, "--config", f"{config.shape}:{config.ttt}", "--out", os.devnull]
+    options = asdict(config) | {"device": device, "profile": profile}
     for name, value in options.items():
-        if value is not None:
+        if value is not None and name not in ("shape", "ttt"):
             argv += [f"--{name.replace('_', '-')}", str(value)]
     done = subprocess.run(argv, capture_output=True, text=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith('{"shape"')]
     if done.returncode or not lines:
-        return {"config": config, "error": done.stderr[-1500:]}
+        return {"config": f"{config.shape}:{config.ttt}", "error": done.stderr[-1500:]}
     return json.loads(lines[-1])
 
 
@@ -206,7 +209,7 @@ def run_peer(peer: Path, shape: str, tokens: int, document: int, ttt: int) -> di
 @click.command()
 @click.option("--gpu", is_flag=True, help="the peer harness's three configs on CUDA")
 @click.option("--peer", type=click.Path(exists=True, path_type=Path), help="peer harness script (with --gpu)")
-@click.option("--shape", type=click.Choice(sorted(SHAPES)), default="smollm2-135m", show_default=True)
+@shape_option("smollm2-135m")
 @click.option("--tokens", default=1024, show_default=True, help="tokens per packed batch")
 @click.option("--document", default=256, show_default=True, help="tokens per document")
 @click.option("--ttt", default=3, show_default=True)
@@ -234,8 +237,8 @@ def main(
 ) -> None:
     if config:
         shape, ttt = config.split(":")[0], int(config.split(":")[1])
-        result = measure(shape, tokens, document, ttt, draft_vocab, warmup, steps, resolve_device(device), profile)
-        click.echo(json.dumps(result))
+        one = StepConfig(shape, ttt, tokens, document, draft_vocab, steps, warmup)
+        click.echo(json.dumps(measure(one, resolve_device(device), profile)))
         return
     if gpu:
         device, tokens, document, draft_vocab, warmup, steps = "cuda", 8192, 2048, 32000, 4, 12
@@ -244,16 +247,8 @@ def main(
         device, configs = resolve_device(device), [(shape, ttt)]
     results = []
     for index, (shape_name, steps_ttt) in enumerate(configs):
-        ours = _measure_apart(
-            f"{shape_name}:{steps_ttt}",
-            tokens=tokens,
-            document=document,
-            draft_vocab=draft_vocab,
-            warmup=warmup,
-            steps=steps,
-            device=device,
-            profile=profile.with_suffix(f".{index}.txt") if profile else None,
-        )
+        one = StepConfig(shape_name, steps_ttt, tokens, document, draft_vocab, steps, warmup)
+        ours = _measure_apart(one, device, profile.with_suffix(f".{index}.txt") if profile else None)
         row = {"expman": ours}
         if peer is not None:
             theirs = run_peer(peer, shape_name, tokens, document, steps_ttt)
@@ -263,18 +258,9 @@ def main(
                 row["peak_memory_ratio"] = ours["peak_gib"] / theirs["peak_gib"]
         click.echo(json.dumps(row), err=True)
         results.append(row)
-    write_report(
-        {
-            "benchmark": "train_throughput",
-            "command": "python " + " ".join(sys.argv),
-            "device": torch.cuda.get_device_name() if device == "cuda" else cpu_name(),
-            "cpu_threads": torch.get_num_threads(),
-            "peak_bf16_flops": PEAK_BF16_FLOPS if device == "cuda" else None,
-            "results": results,
-            "packages": package_versions(),
-        },
-        out,
-    )
+    report = header("train_throughput", device)
+    report |= {"peak_bf16_flops": PEAK_BF16_FLOPS if device == "cuda" else None, "results": results}
+    write_report(out, report)
 
 
 if __name__ == "__main__":

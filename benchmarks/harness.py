@@ -1,0 +1,193 @@
+"""The small harness every benchmark script shares, so that each script keeps only what it measures.
+
+- Shapes: verifier configs of real models (built with random weights by the scripts), and the ``--shape`` option.
+- Machine facts: the CPU (model, the flags that decide matmul speed per dtype), cores and torch threads, the GPUs,
+  platform and Python; every report records them, so a result says where it was measured.
+- Timing: ``elapsed`` (one call, CUDA synchronized around it) and ``timed`` (warm-up calls, then timed ones:
+  median and every sample), so that no script times queued GPU work by mistake.
+- The report: ``header`` (the keys a result opens with) and ``write_report``, which adds the machine facts and
+  package versions, writes the JSON atomically (a killed or failed run leaves no partial file) and prints it.
+- ``greedy_equality``: greedy mismatches read off an evaluation, for the scripts that run the evaluate stage.
+
+torch is imported inside the functions that need it: compare_scale and kill_trials time other processes.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+
+from expman.provenance import atomic_write, package_versions
+
+
+def _llama(hidden: int, intermediate: int, heads: int, kv_heads: int, vocab: int, layers: int) -> dict:
+    return {
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 131072,
+        "vocab_size": vocab,
+        "hidden_act": "silu",
+        "rope_theta": 500000.0,
+        "num_hidden_layers": layers,
+    }
+
+
+SHAPES = {
+    "smollm2-135m": _llama(576, 1536, 9, 3, 49152, 30) | {"rope_theta": 100000.0, "max_position_embeddings": 8192},
+    "llama3-8b": _llama(4096, 14336, 32, 8, 128256, 32),
+    "kimi-k2": _llama(7168, 18432, 64, 8, 163840, 61),
+}
+
+
+def shape_option(default: str, **options: Any) -> Callable:
+    """The ``--shape`` option: one of SHAPES."""
+    return click.option("--shape", type=click.Choice(sorted(SHAPES)), default=default, show_default=True, **options)
+
+
+def cpu_name() -> str:
+    """The CPU model from /proc/cpuinfo (Linux), else what the platform module knows."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+DTYPE_FLAGS = {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}
+
+
+def cpu_flags() -> list[str]:
+    """The CPU flags that decide matmul speed per dtype (AVX2 only, AVX512, native bf16, AMX), from /proc/cpuinfo."""
+    cpuinfo = Path("/proc/cpuinfo")
+    for line in cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []:
+        if line.startswith("flags"):
+            return sorted(set(line.split(":", 1)[1].split()) & DTYPE_FLAGS)
+    return []
+
+
+def device_name(device: str) -> str:
+    """The GPU's name on CUDA, else the CPU's."""
+    import torch
+
+    return torch.cuda.get_device_name() if device == "cuda" else cpu_name()
+
+
+def machine_facts() -> dict[str, Any]:
+    """Where this process runs: CPU model and flags, cores, torch's threads, GPU name and count, platform, Python."""
+    import torch
+
+    gpus = torch.cuda.device_count()
+    return {
+        "cpu": cpu_name(),
+        "cpu_flags": cpu_flags(),
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "gpu": torch.cuda.get_device_name(0) if gpus else None,
+        "gpu_count": gpus,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+    }
+
+
+def header(benchmark: str, device: str | None = None) -> dict[str, Any]:
+    """The keys a report opens with: the benchmark, the command that ran it and, given the device measured on,
+    that device's name and torch's CPU threads."""
+    head: dict[str, Any] = {"benchmark": benchmark, "command": "python " + " ".join(sys.argv)}
+    if device is not None:
+        import torch
+
+        head |= {"device": device_name(device), "cpu_threads": torch.get_num_threads()}
+    return head
+
+
+@dataclass(frozen=True)
+class Timing:
+    """The seconds of each timed call."""
+
+    samples: list[float]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.samples)
+
+    def summary(self) -> dict[str, float]:
+        return {"median": self.median, "min": min(self.samples), "max": max(self.samples)}
+
+
+def _synchronize(device: str) -> None:
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def elapsed(run: Callable[[], Any], device: str = "cpu") -> tuple[float, Any]:
+    """Seconds of one call of ``run`` with the work it queued on the device (CUDA synchronized before and after),
+    and what it returned."""
+    _synchronize(device)
+    started = time.perf_counter()
+    result = run()
+    _synchronize(device)
+    return time.perf_counter() - started, result
+
+
+def timed(
+    run: Callable[..., Any],
+    repeats: int,
+    *,
+    warmup: int = 0,
+    setup: Callable[[], Any] | None = None,
+    device: str = "cpu",
+) -> Timing:
+    """``warmup`` untimed calls of ``run``, then ``repeats`` timed ones. ``setup``, when given, runs untimed before
+    each call and its result is ``run``'s argument (a fresh batch, an emptied folder)."""
+    samples = []
+    for index in range(warmup + repeats):
+        call = run if setup is None else functools.partial(run, setup())
+        seconds, _ = elapsed(call, device)
+        if index >= warmup:
+            samples.append(seconds)
+    return Timing(samples)
+
+
+def greedy_equality(evaluation: dict[str, Any], arm: str) -> dict[str, dict[str, Any]]:
+    """Per k of one arm of an evaluation.json: greedy mismatches, tie flips and the largest gap (units in the last
+    place) among the divergences counted as ties."""
+    rows = {}
+    for key, values in evaluation["summary"][arm].items():
+        divergences = [p[arm][key.removeprefix("k")].get("greedy_divergence") for p in evaluation["prompts"]]
+        rows[key] = {
+            "greedy_mismatches": values["greedy_mismatches"],
+            "greedy_tie_flips": values["greedy_tie_flips"],
+            "largest_tie_gap_ulps": max((d["gap_ulps"] for d in divergences if d and d["tie"]), default=None),
+        }
+    return rows
+
+
+def write_report(path: Path | None, report: dict[str, Any], *, machine: bool = True) -> None:
+    """Print the result JSON and write it to ``path`` (if given) atomically. With ``machine`` it records this
+    machine's facts and package versions (torch, transformers, ...; beside any others the report names): leave it
+    off only for a report made away from the machine that measured."""
+    full = dict(report)
+    if machine:
+        full["packages"] = full.get("packages", {}) | package_versions()
+        full["machine"] = machine_facts()
+    text = json.dumps(full, indent=2)
+    if path is not None:
+        atomic_write(path, lambda tmp: tmp.write_text(text + "\n"))
+    click.echo(text)
