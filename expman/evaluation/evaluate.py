@@ -497,16 +497,18 @@ def _prompt_row(model, drafters: dict[str, Any], record: dict[str, Any], section
     return row
 
 
-def _decode_rows(decoding: _Decoding, prompts: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
-    """Load the models, warm them up outside the timings, then yield the prompts' rows one by one, the arms
+def _decode_rows(
+    section: EvaluateParams, loaded: tuple[Any, set[int], dict[str, Eagle3Drafter]], prompts: list[dict[str, Any]]
+) -> Iterator[dict[str, Any]]:
+    """Warm the loaded models up outside the timings, then yield the prompts' rows one by one, the arms
     interleaved."""
-    model, eos_ids, drafters = decoding.load()
+    model, eos_ids, drafters = loaded
     first = prompts[0]["input_ids"][: prompts[0]["prompt_tokens"]]
     greedy_decode(model, first, 8, eos_ids)
     for drafter in drafters.values():
-        speculative_decode(model, drafter, first, max(decoding.section.ks), 8, eos_ids)
+        speculative_decode(model, drafter, first, max(section.ks), 8, eos_ids)
     for record in prompts:
-        yield _prompt_row(model, drafters, record, decoding.section, eos_ids)
+        yield _prompt_row(model, drafters, record, section, eos_ids)
 
 
 def _decode_worker(decoding: _Decoding, prompts: list[dict[str, Any]], rows_path: Path, threads: int) -> None:
@@ -515,7 +517,7 @@ def _decode_worker(decoding: _Decoding, prompts: list[dict[str, Any]], rows_path
 
     torch.set_num_threads(threads)
     with rows_path.open("w") as out:
-        for row in _decode_rows(decoding, prompts):
+        for row in _decode_rows(decoding.section, decoding.load(), prompts):
             out.write(json.dumps(row) + "\n")
             out.flush()
 
@@ -561,13 +563,15 @@ def _decode_in_workers(decoding: _Decoding, prompts: list[dict[str, Any]]) -> li
     return [rows[record["id"]] for record in prompts]
 
 
-def _measure(decoding: _Decoding, prompts: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Every prompt's row, in this process or in ``evaluate.workers`` processes."""
+def _measure(
+    decoding: _Decoding, loaded: tuple[Any, set[int], dict[str, Eagle3Drafter]] | None, prompts: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Every prompt's row: with the models loaded here, or in ``evaluate.workers`` processes (``loaded`` None)."""
     from tqdm import tqdm
 
-    if decoding.section.workers > 1:
+    if loaded is None:
         return _decode_in_workers(decoding, prompts)
-    decoded = _decode_rows(decoding, prompts)
+    decoded = _decode_rows(decoding.section, loaded, prompts)
     return list(tqdm(decoded, total=len(prompts), desc="evaluate", unit="prompt"))
 
 
@@ -593,9 +597,14 @@ def evaluate(params: Params, where: EvaluatePaths) -> dict[str, Any]:
     verifier_manifest, prompts, arm_paths, upstream = _read_inputs(section, where)
     device = resolve_device(section.device)
     dtype = resolve_dtype(section.dtype, device)
-    aux_layers = _checked_aux_layers(where.verifier, verifier_manifest["verifier"], arm_paths)
+    decoding = _Decoding(section, where.verifier, arm_paths, device, dtype)
+    loaded = decoding.load() if section.workers == 1 else None  # workers load their own
+    if loaded is None:  # each arm checked against the verifier before any worker starts
+        aux_layers = _checked_aux_layers(where.verifier, verifier_manifest["verifier"], arm_paths)
+    else:
+        aux_layers = {arm: list(drafter.config.aux_layer_ids) for arm, drafter in loaded[2].items()}
     with stage_run("evaluate", section.model_dump(), upstream) as run:
-        rows = _measure(_Decoding(section, where.verifier, arm_paths, device, dtype), prompts)
+        rows = _measure(decoding, loaded, prompts)
         summary = summarize(rows, list(arm_paths), section.ks)
         evaluation = {
             "ks": section.ks,
