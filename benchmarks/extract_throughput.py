@@ -146,7 +146,7 @@ def main(
     def expman(shards: Path) -> None:
         computed_at.clear()
         write_shards(
-            lambda: capture,
+            lambda chunk: extract_shard(capture, chunk, section, device),
             batch,
             section,
             contract,

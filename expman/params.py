@@ -204,12 +204,24 @@ class ExtractParams(Section):
     gpus: PositiveInt = 1
     """CUDA only: GPUs to spread the verifier's layers over, for a verifier that does not fit one. The layers run
     one GPU after another, so this buys memory, not speed."""
+    backend: Literal["hf", "vllm"] = "hf"
+    """hf: transformers forward hooks; vllm: the serving engine's own model code (its ``extract_hidden_states``
+    method), with ``tensor_parallel_size`` GPUs for a verifier that needs several (``pip install '.[engine]'``)."""
+    tensor_parallel_size: PositiveInt = 1
+    """vllm backend only: GPUs vLLM shards the verifier over (all of them compute at once, unlike ``gpus``)."""
 
     @field_validator("aux_layers")
     @classmethod
     def _three_distinct(cls, value: list[int] | str) -> list[int] | str:
         if isinstance(value, list) and (len(value) != 3 or len(set(value)) != 3):
             raise ValueError("EAGLE-3 needs exactly 3 distinct layer indices")
+        return value
+
+    @field_validator("tensor_parallel_size")
+    @classmethod
+    def _parallel_needs_vllm(cls, value: int, info: ValidationInfo) -> int:
+        if value > 1 and info.data.get("backend") != "vllm":
+            raise ValueError(f"tensor_parallel_size {value} needs extract.backend vllm (hf spreads layers: gpus)")
         return value
 
     @field_validator("gpus")

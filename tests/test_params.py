@@ -70,6 +70,12 @@ BAD = [
     ("train.shard_window", 0, "train.shard_window:"),
     ("train.nodes", 2, "train.rdzv_endpoint: required when nodes > 1"),
     ("train.rdzv_endpoint", "host0", "train.rdzv_endpoint: 'host0' is not host:port"),
+    ("extract.backend", "sglang", "extract.backend: Input should be 'hf' or 'vllm'"),
+    (
+        "extract.tensor_parallel_size",
+        2,
+        "extract.tensor_parallel_size: tensor_parallel_size 2 needs extract.backend vllm",
+    ),
 ]
 
 

@@ -175,3 +175,16 @@ def test_no_pickle_loads_anywhere() -> None:
                         assert keywords.get("weights_only") == "True", f"{path}:{node.lineno}"
                     if owner in ("np", "numpy"):
                         assert keywords.get("allow_pickle") in (None, "False"), f"{path}:{node.lineno}"
+
+
+def test_the_vllm_module_imports_without_vllm_until_its_connector_is_asked_for() -> None:
+    """vLLM's connector factory looks ``HiddenStatesFileConnector`` up by name in expman.engines.vllm; importing
+    the module (the CLI, every stage) must not import vLLM, and another name is an AttributeError."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, expman.engines.vllm as m; assert 'vllm' not in sys.modules; "
+        "assert not hasattr(m, 'NoSuchConnector'); assert 'vllm' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

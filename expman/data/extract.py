@@ -13,9 +13,10 @@ sha256), never the shards.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ __all__ = [
     "CaptureHooks",
     "capture_contract",
     "default_aux_layers",
+    "engine_shard",
     "extract",
     "extract_shard",
     "greedy_tokens",
@@ -241,7 +243,7 @@ def save_streamed(tensors: dict[str, Any], path: Path, metadata: dict[str, str])
 
 
 def write_shards(
-    capture: Callable[[], CaptureHooks],
+    compute: Callable[[list[dict[str, Any]]], tuple[dict[str, Any], Any]],
     samples: list[dict[str, Any]],
     section: ExtractParams,
     contract: dict[str, Any],
@@ -250,7 +252,8 @@ def write_shards(
     progress: Callable[[int], None] = lambda tokens: None,
 ) -> tuple[list[dict[str, Any]], int]:
     """Compute and write every planned shard that is not already done; return (entries in plan order, tokens
-    computed). ``capture`` is called only when a shard needs computing, so a finished folder loads no model.
+    computed). ``compute`` (a shard's samples -> its tensors and the event their host copies wait on, or None) is
+    called only when a shard needs computing, so a finished folder loads no model.
 
     Writing (safetensors file hashed as it streams out, fsync) runs in background threads, at most
     ``SHARD_WRITERS`` shards at a time, while the next shard computes: host memory stays bounded and a GPU
@@ -281,12 +284,12 @@ def write_shards(
     with ThreadPoolExecutor(SHARD_WRITERS, thread_name_prefix="shard-writer") as writers:
         for index, chunk in enumerate(chunks):
             name = f"shard-{index:05d}.safetensors"
-            key = sha256_json({"contract": contract, "samples": chunk})
+            key = sha256_json({"contract": contract, "samples": chunk, **_backend_key(section)})
             done = shards.done(name, key)
             if done is not None:
                 entries[index] = done
             else:
-                tensors, copied = extract_shard(capture(), chunk, section, device)
+                tensors, copied = compute(chunk)
                 # one metadata key: safetensors writes the metadata map in no fixed order
                 metadata = {"expman": json.dumps({"key": key, "sample_ids": [s["id"] for s in chunk]})}
                 if len(in_flight) == SHARD_WRITERS:
@@ -298,6 +301,41 @@ def write_shards(
         for finished, future in in_flight:
             entries[finished] = future.result()
     return entries, computed
+
+
+def _backend_key(section: ExtractParams) -> dict[str, str]:
+    """What else a shard's key depends on: the engine that computed it (nothing for the default hf backend, so
+    its keys, and the shards already on disk, stay valid)."""
+    return {} if section.backend == "hf" else {"backend": section.backend}
+
+
+def engine_shard(engine: Any, head: tuple[Any, Any], samples: list[dict[str, Any]], final_state: str) -> tuple:
+    """One shard's tensors from an engine's states (``VllmHiddenStates``: the aux ids then the final id N, before
+    the final norm); the top-1 (and a post-norm final state) come from the verifier's own norm and lm_head."""
+    import torch
+
+    norm, lm_head = head
+    states = engine.states([s["ids"] for s in samples])
+    flat = torch.cat(states)
+    dtype = next(lm_head.parameters()).dtype
+    with torch.inference_mode():
+        normed = torch.cat([norm(part.to(norm.weight.device, dtype)) for part in flat[:, -1].split(LOGIT_CHUNK_TOKENS)])
+        top1 = greedy_tokens(lm_head, normed).to("cpu", torch.int32)
+    final = flat[:, -1] if final_state == "pre_norm" else normed.cpu()
+    lengths = [len(s["ids"]) for s in samples]
+    loss_mask = torch.zeros(sum(lengths), dtype=torch.bool)
+    offsets = torch.tensor([0, *lengths]).cumsum(0)
+    for k, sample in enumerate(samples):
+        loss_mask[int(offsets[k]) + sample["prompt_tokens"] : int(offsets[k + 1])] = True
+    tensors = {
+        "input_ids": torch.tensor([t for s in samples for t in s["ids"]], dtype=torch.int32),
+        "loss_mask": loss_mask,
+        "aux_hidden_states": flat[:, :-1].flatten(1).to(torch.bfloat16),
+        "final_hidden_states": final.to(torch.bfloat16).contiguous(),
+        "verifier_top1": top1,
+        "sample_offsets": offsets.to(torch.int64),
+    }
+    return tensors, None
 
 
 def _plan(records: list[dict[str, Any]], max_seq_len: int) -> list[dict[str, Any]]:
@@ -353,30 +391,73 @@ def _totals(entries: list[dict], samples: list[dict], records: list[dict], hidde
     return totals, storage
 
 
+@contextlib.contextmanager
+def _shard_computer(section: ExtractParams, contract: dict[str, Any], where: ExtractPaths, device: str) -> Iterator:
+    """A shard's samples -> its tensors, by ``extract.backend``; the verifier (or engine) loads on the first shard
+    that needs computing and is released when the stage ends."""
+    from expman.data.verifier import load_verifier, load_verifier_head, load_verifier_manifest, resolve_dtype
+
+    dtype = resolve_dtype(section.dtype, device)
+    loaded: list[Any] = []
+
+    def with_hooks(chunk: list[dict[str, Any]]) -> tuple:
+        if not loaded:
+            model = load_verifier(where.verifier, device, dtype, section.gpus)
+            loaded.append(CaptureHooks(model, contract["aux_layers"], section.final_state))
+        return extract_shard(loaded[0], chunk, section, device)
+
+    def with_engine(chunk: list[dict[str, Any]]) -> tuple:
+        from expman.engines.vllm import VllmHiddenStates
+
+        if not loaded:
+            head = load_verifier_head(where.verifier, device, dtype)
+            engine = VllmHiddenStates(
+                where.verifier,
+                [*contract["aux_layers"], contract["final_layer"]],
+                device,
+                str(dtype).removeprefix("torch."),
+                section.tensor_parallel_size,
+                load_verifier_manifest(where.verifier)["trust_remote_code"],
+            )
+            loaded.extend([engine, head])
+        return engine_shard(loaded[0], loaded[1], chunk, section.final_state)
+
+    try:
+        yield with_hooks if section.backend == "hf" else with_engine
+    finally:
+        if loaded and section.backend == "vllm":
+            loaded[0].close()
+
+
+def _engine_version(section: ExtractParams) -> str:
+    from importlib import metadata
+
+    if section.backend == "vllm":
+        from expman.engines.vllm import vllm_version
+
+        return vllm_version() or "vllm"
+    return f"transformers {metadata.version('transformers')}"
+
+
 def extract(params: Params, where: ExtractPaths) -> dict[str, Any]:
     """Write shards to ``params.extract.shard_dir`` and ``where.out/manifest.json``."""
     from tqdm import tqdm
 
-    from expman.data.verifier import load_verifier, resolve_device, resolve_dtype
+    from expman.data.verifier import resolve_device
 
     section = params.extract
     contract, records, samples, upstream = _read_inputs(section, where)
     shard_dir = Path(section.shard_dir)
     shards = ShardSet(shard_dir)
     device = resolve_device(section.device)
-    with stage_run("extract", section.model_dump(), upstream) as run:
-        loaded: list[CaptureHooks] = []
-
-        def capture() -> CaptureHooks:
-            if not loaded:
-                model = load_verifier(where.verifier, device, resolve_dtype(section.dtype, device), section.gpus)
-                loaded.append(CaptureHooks(model, contract["aux_layers"], section.final_state))
-            return loaded[0]
-
+    with (
+        stage_run("extract", section.model_dump(), upstream) as run,
+        _shard_computer(section, contract, where, device) as compute,
+    ):
         started = time.perf_counter()
         total_tokens = sum(len(s["ids"]) for s in samples)
-        with tqdm(total=total_tokens, desc="extract", unit="tok", unit_scale=True) as bar:
-            entries, computed_tokens = write_shards(capture, samples, section, contract, shards, device, bar.update)
+        with tqdm(total=total_tokens, desc=f"extract ({section.backend})", unit="tok", unit_scale=True) as bar:
+            entries, computed_tokens = write_shards(compute, samples, section, contract, shards, device, bar.update)
         elapsed = time.perf_counter() - started
         shards.remove_others({e["path"] for e in entries})
         totals, storage = _totals(entries, samples, records, contract["verifier"]["hidden_size"])
@@ -388,6 +469,8 @@ def extract(params: Params, where: ExtractPaths) -> dict[str, Any]:
             "contract": contract,
             "contract_sha256": sha256_json(contract),
             "split": section.split,
+            "backend": section.backend,
+            "engine": _engine_version(section),
             "shard_dir": str(shard_dir),
             "shards": entries,
             "totals": totals,

@@ -21,6 +21,7 @@ __all__ = [
     "layer_split",
     "load_tokenizer",
     "load_verifier",
+    "load_verifier_head",
     "prepare",
     "resolve_device",
     "resolve_dtype",
@@ -175,6 +176,42 @@ def layer_split(model_dir: Path, gpus: int, trust_remote_code: bool) -> dict[str
     last = 0 if getattr(config, "tie_word_embeddings", False) else gpus - 1
     device_map |= {name: last for name, _ in skeleton.named_children() if name != prefix.split(".")[0]}
     return device_map
+
+
+def load_verifier_head(model_dir: Path, device: str, dtype: Any) -> tuple[Any, Any]:
+    """The verifier's final norm and lm_head alone, weights read from its safetensors: what turns final states
+    into logits where another engine computed the states. The decoder layers are never materialized."""
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    trust = load_verifier_manifest(model_dir)["trust_remote_code"]
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust, dtype=dtype)
+    norm, lm_head = getattr(model.get_decoder(), "norm", None), model.get_output_embeddings()
+    if norm is None or lm_head is None:
+        raise ExpmanError(f"{model_dir}: {type(model).__name__} has no final norm or lm_head to read")
+    names: dict[int, list[str]] = {}  # a tied lm_head is also named as the embedding
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), []).append(name)
+    wanted = {name for module in (norm, lm_head) for p in module.parameters() for name in names[id(p)]}
+    found: dict[str, Any] = {}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as handle:
+            found.update({key: handle.get_tensor(key) for key in wanted.intersection(handle.keys())})
+    modules = []
+    for module in (norm, lm_head):
+        candidates = {local: names[id(parameter)] for local, parameter in module.named_parameters()}
+        module.to_empty(device=device)  # new parameters, on the device, uninitialized
+        for local, keys in candidates.items():
+            stored = next((found[key] for key in keys if key in found), None)
+            if stored is None:
+                raise ExpmanError(f"{model_dir}: no tensor {keys[0]} in its safetensors files")
+            with torch.no_grad():
+                module.get_parameter(local).copy_(stored)
+        modules.append(module.eval())
+    return modules[0], modules[1]
 
 
 def load_verifier(model_dir: Path, device: str, dtype: Any, gpus: int = 1) -> Any:

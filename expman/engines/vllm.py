@@ -1,5 +1,6 @@
-"""The only module that talks to vLLM (offline ``LLM``): response generation for the generate stage, and one
-timed arm of the benchmark stage (no speculation, or EAGLE-3 with a drafter folder and k draft tokens).
+"""The only module that talks to vLLM (offline ``LLM``): response generation for the generate stage, the
+verifier's hidden states for the extract stage (vLLM's ``extract_hidden_states`` method), and one timed arm of the
+benchmark stage (no speculation, or EAGLE-3 with a drafter folder and k draft tokens).
 
 On CPU, vLLM reserves one core for its front end unless told otherwise; on a 2-core machine that halves
 throughput, so expman gives the engine every core unless the user set the variables. The engine runs in a
@@ -8,8 +9,11 @@ spawned process: callers need an ``if __name__ == "__main__":`` guard (the stage
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,7 +24,7 @@ from expman.data.backend import GenOutput, Messages
 from expman.errors import ExpmanError
 from expman.params import GenerateParams
 
-__all__ = ["EngineArm", "VllmGenerator", "run_vllm_arm", "vllm_version"]
+__all__ = ["EngineArm", "VllmGenerator", "VllmHiddenStates", "run_vllm_arm", "vllm_version"]
 
 
 def _cpu_defaults() -> None:
@@ -176,3 +180,122 @@ def run_vllm_arm(
         del llm
         gc.collect()
     return EngineArm([list(r.outputs[0].token_ids) for r in results], seconds, before, after, settings)
+
+
+class VllmHiddenStates:
+    """The verifier's hidden states at ``layer_ids`` for token-id prompts, computed by vLLM's own model code.
+
+    vLLM's ``extract_hidden_states`` speculative method stores, for every prompt token, the residual stream at
+    each id (HF ``hidden_states`` convention: id k = output of layer k-1, id N = the last layer before the final
+    norm) in a KV cache of its own; a KV connector writes it out per request as one safetensors file under a
+    private folder (in /dev/shm where there is one), which is read and deleted here. Prefix caching is off: a
+    cache hit would reuse blocks another request wrote."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        layer_ids: Sequence[int],
+        device: str,
+        dtype: str,
+        tensor_parallel_size: int,
+        trust_remote_code: bool,
+    ):
+        try:
+            import vllm
+        except ImportError:
+            raise ExpmanError("extract.backend: vllm is not installed (pip install '.[engine]')") from None
+        if device == "cpu":
+            _cpu_defaults()
+        self.layer_ids = list(layer_ids)
+        self.columns = [sorted(set(layer_ids)).index(i) for i in layer_ids]  # the engine stores ids ascending
+        self.folder = tempfile.mkdtemp(prefix="expman-states-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
+        self.llm = vllm.LLM(
+            model=str(model_dir),
+            dtype=dtype,
+            tensor_parallel_size=tensor_parallel_size,
+            trust_remote_code=trust_remote_code,
+            enable_prefix_caching=False,
+            speculative_config={
+                "method": "extract_hidden_states",
+                "num_speculative_tokens": 1,
+                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": self.layer_ids}},
+            },
+            kv_transfer_config={
+                "kv_connector": "HiddenStatesFileConnector",
+                "kv_connector_module_path": __name__,
+                "kv_role": "kv_producer",
+                "kv_connector_extra_config": {"shared_storage_path": self.folder},
+            },
+        )
+
+    def states(self, prompts: Sequence[Sequence[int]]) -> list[Any]:
+        """One [T, len(layer_ids), H] tensor per prompt, the ids in ``layer_ids`` order, in the engine's dtype."""
+        import vllm
+        from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+            cleanup_hidden_states,
+            load_hidden_states,
+        )
+
+        requests = [{"prompt_token_ids": list(p)} for p in prompts]
+        outputs = self.llm.generate(requests, vllm.SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+        states = []
+        for prompt, output in zip(prompts, outputs, strict=True):
+            path = output.kv_transfer_params["hidden_states_path"]
+            saved = load_hidden_states(path)  # waits for the connector's write to finish
+            cleanup_hidden_states(path)
+            if saved["token_ids"].tolist() != list(prompt):
+                raise ExpmanError(f"vLLM hidden states: {path} holds other token ids than its request's")
+            states.append(saved["hidden_states"][:, self.columns])
+        return states
+
+    def close(self) -> None:
+        _shutdown(self.llm)
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def __getattr__(name: str) -> Any:
+    """``HiddenStatesFileConnector`` is built on first access (vLLM's connector factory looks it up by name in
+    this module), so importing this module does not import vLLM."""
+    if name == "HiddenStatesFileConnector":
+        return _hidden_states_file_connector()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+@functools.cache
+def _hidden_states_file_connector() -> type:
+    """vLLM's own hidden-states connector, with a host-memory path for the CPU build.
+
+    In vLLM 0.32 ``ExampleHiddenStatesConnector`` copies the states out through pinned memory and polls a CUDA
+    event; on the CPU build ``torch.empty_like(..., pin_memory=True)`` raises (no pinned allocator) and the CPU
+    worker's event placeholder has no ``query``. When the cache lives in host memory there is nothing to copy
+    asynchronously: gather the request's slots and write the file at once. On a GPU the parent's path runs."""
+    import torch
+    from safetensors.torch import save_file
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+        ExampleHiddenStatesConnector,
+        extract_from_kv_cache,
+    )
+
+    class _Written:
+        """Stands in for the copy-done event: the file is complete when it is recorded."""
+
+        def query(self) -> bool:
+            return True
+
+    class HiddenStatesFileConnector(ExampleHiddenStatesConnector):
+        def _submit_async_write(self, pending: Any) -> None:
+            if not self._is_tp_rank_zero or self._kv_cache.device.type != "cpu":
+                return super()._submit_async_write(pending)
+            blocks = torch.tensor(pending.block_ids, dtype=torch.long)
+            slots = (torch.arange(self._block_size) + blocks[:, None] * self._block_size).flatten()
+            states = extract_from_kv_cache(self._kv_cache, slots, pending.token_ids.shape[0]).clone()
+            os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
+            lock = self._lock_fds.pop(pending.req_id, None)
+            try:
+                save_file({"hidden_states": states, "token_ids": pending.token_ids.clone()}, pending.filename)
+            finally:
+                if lock is not None:
+                    os.close(lock)  # releases the reader waiting in load_hidden_states
+            self._req_copy_events[pending.req_id] = _Written()
+
+    return HiddenStatesFileConnector

@@ -1,0 +1,77 @@
+"""extract.backend vllm: the serving engine's hidden states against transformers' on the real SmolLM2 (slow; needs
+`.[engine]`). Same token ids, both in fp32, both stored as the extract contract's bf16 shards."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from expman import paths
+from expman.data.extract import extract, load_shard
+from expman.data.generate import generate
+from expman.data.verifier import load_verifier_head, prepare
+from expman.params import load_params
+from expman.paths import ExtractPaths, GeneratePaths
+from tests.conftest import write_prompts
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _shards(manifest: dict) -> dict:
+    import torch
+
+    loaded = [load_shard(manifest, i) for i in range(len(manifest["shards"]))]
+    return {key: torch.cat([shard[key] for shard in loaded]) for key in loaded[0] if key != "sample_offsets"}
+
+
+@pytest.mark.slow
+def test_vllm_states_match_transformers_on_smollm2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("vllm")
+    import torch
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "prompts").mkdir()
+    write_prompts(tmp_path / "prompts", "train", 8)
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params.pop("preset")  # params.yaml alone: this folder has no presets/
+    params["generate"].update(datasets=[{"path": "prompts/train.jsonl"}], max_new_tokens=48)
+    manifests = {}
+    for backend in ("hf", "vllm"):
+        params["extract"].update(backend=backend, shard_dir=f"shards-{backend}", samples_per_shard=3)
+        Path("params.yaml").write_text(yaml.safe_dump(params))
+        loaded = load_params("params.yaml")
+        if backend == "hf":
+            prepare(loaded, paths.VERIFIER)
+            generate(loaded, GeneratePaths(paths.VERIFIER, paths.GENERATED))
+        out = Path(f"extract-{backend}")
+        manifests[backend] = extract(loaded, ExtractPaths(paths.VERIFIER, paths.GENERATED, out))
+    hf, vllm = manifests["hf"], manifests["vllm"]
+    assert (hf["backend"], vllm["backend"]) == ("hf", "vllm")
+    assert vllm["engine"].startswith("vllm") and hf["contract"] == vllm["contract"]
+    assert hf["totals"] == vllm["totals"]
+    a, b = _shards(hf), _shards(vllm)
+    assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
+    hidden = hf["contract"]["verifier"]["hidden_size"]
+    layers = {
+        f"aux {i}": (a["aux_hidden_states"], b["aux_hidden_states"], slice(n * hidden, (n + 1) * hidden))
+        for n, i in enumerate(hf["contract"]["aux_layers"])
+    }
+    layers["final"] = (a["final_hidden_states"], b["final_hidden_states"], slice(None))
+    measured = {}
+    for name, (x, y, columns) in layers.items():
+        x, y = x[:, columns].float(), y[:, columns].float()
+        cosine = torch.nn.functional.cosine_similarity(x, y, dim=-1).min().item()
+        worst = ((x - y).abs().max() / x.abs().max()).item()
+        measured[name] = {"min_cosine": cosine, "max_abs_over_max": worst}
+        assert cosine > 0.9999 and worst < 0.01, (name, measured[name])
+    differ = (a["verifier_top1"] != b["verifier_top1"]).nonzero().flatten()
+    if len(differ):  # only at ties: the two tokens' logits (from transformers' final states) nearly equal
+        norm, lm_head = load_verifier_head(paths.VERIFIER, "cpu", torch.float32)
+        with torch.no_grad():
+            logits = lm_head(norm(a["final_hidden_states"][differ].float()))
+        picked = logits.gather(1, torch.stack([a["verifier_top1"][differ], b["verifier_top1"][differ]], 1).long())
+        assert (picked[:, 0] - picked[:, 1]).abs().max() < 0.05, picked
+    print(json.dumps({"tokens": len(a["input_ids"]), "top1_differ": len(differ), **measured}))
