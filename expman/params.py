@@ -384,6 +384,11 @@ class BenchmarkParams(Section):
     """Integration fault when engine τ < tau_ratio × the reference evaluator's τ (same prompts and k)."""
     position0_ratio: float = Field(default=0.5, gt=0.0, le=1.0)
     """...or when the engine's position-0 acceptance rate < position0_ratio × the reference's."""
+    parity_prompts: int = Field(default=2, ge=0)
+    """...or when, on this many of the prompts, the engine's hidden states at the layers the checkpoint names differ
+    from the states the drafter was trained on (one more engine start and a transformers forward); 0 = off."""
+    parity_min_cosine: float = Field(default=0.99, gt=0.0, le=1.0)
+    """The mean per-token cosine every layer must reach."""
     seed: int = 0
     device: Device = "auto"
     dtype: Dtype = "auto"

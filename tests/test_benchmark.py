@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from expman import paths
+from expman.data.generate import read_responses
 from expman.errors import ExpmanError
 from expman.evaluation.benchmark import benchmark, contract_mismatch
 from expman.params import load_params
@@ -122,10 +123,46 @@ def test_vllm_agrees_with_the_reference_evaluator_on_smollm2(smollm2_project: Pa
         assert measured["integration_fault"] is False, measured["reasons"]
         assert abs(engine["tau"] - reference["tau"]) <= 0.1 * reference["tau"], (arm, engine["tau"], reference["tau"])
         assert engine["outputs_equal_to_nospec"] >= 6  # of 8: batched greedy may flip near-ties
+        parity = result["arms"][arm]["parity"]  # an honest export: no false alarm at any layer
+        assert parity["checked"] and parity["reasons"] == [], parity
+        assert min(parity["cosine_per_layer"].values()) > 0.999, parity
     compare = _expman(project, "compare", "@candidate", "--json")
     assert compare.returncode == 0, compare.stderr
     row = json.loads(compare.stdout)["rows"][0]
     assert row["engine"]["integration_fault"] == "false" and row["engine"]["tau"] > 1.0
+
+
+@pytest.mark.slow
+def test_parity_alone_flags_a_shifted_export_and_a_post_norm_final_state(smollm2_project: Path, tmp_path: Path) -> None:
+    """The hidden-state parity check by itself (no aux-id contract check, no acceptance): ids shifted by one in the
+    checkpoint, and features whose final state was the post-norm one, are each flagged at the layer concerned;
+    the honest drafter beside them is not."""
+    import shutil
+
+    from expman.evaluation.state_parity import served_state_parity
+
+    project = smollm2_project
+    arms = {name: tmp_path / name for name in ("honest", "shifted", "post_norm")}
+    for folder in arms.values():
+        shutil.copytree(project / paths.DRAFTER, folder)
+    _shift_served_layers(arms["shifted"])
+    manifest = json.loads((arms["post_norm"] / "manifest.json").read_text())
+    manifest["contract"]["final_state"] = "post_norm"
+    (arms["post_norm"] / "manifest.json").write_text(json.dumps(manifest))
+    evaluation = json.loads((project / paths.EVALUATE / "evaluation.json").read_text())
+    responses = {r["id"]: r for r in read_responses(project / paths.GENERATED, "heldout")}
+    prompts = [
+        responses[row["id"]]["input_ids"][: responses[row["id"]]["prompt_tokens"]] for row in evaluation["prompts"]
+    ]
+    result = served_state_parity(project / paths.VERIFIER, arms, prompts[:2], "cpu", "float32", False, 0.99)
+    assert result["honest"]["reasons"] == [], result["honest"]
+    assert len(result["shifted"]["reasons"]) == 3, result["shifted"]  # every aux layer, not the final state
+    assert "states at aux id 3 (served by the checkpoint)" in result["shifted"]["reasons"][0]
+    assert "trained features' layer 2" in result["shifted"]["reasons"][0]
+    assert len(result["post_norm"]["reasons"]) == 1, result["post_norm"]
+    assert "at id 30 (the last layer, before the final norm)" in result["post_norm"]["reasons"][0]
+    assert "final state (post_norm)" in result["post_norm"]["reasons"][0]
+    print(json.dumps({name: r["cosine_per_layer"] for name, r in result.items()}))
 
 
 @pytest.mark.slow
@@ -138,6 +175,7 @@ def test_a_shifted_export_is_an_integration_fault_and_cannot_be_promoted(smollm2
     candidate = result["arms"]["candidate"]
     assert candidate["integration_fault"] is True
     assert "serves aux layers [3, 16, 28], the drafter was trained on [2, 15, 27]" in candidate["static_fault"]
+    assert any("states at aux id 3" in reason for reason in candidate["k"]["3"]["reasons"]), candidate["k"]["3"]
     registered = json.loads((project / paths.REGISTERED).read_text())
     refused = _expman(project, "promote", registered["model_name"], str(registered["version"]), "--alias", "champion")
     assert refused.returncode != 0

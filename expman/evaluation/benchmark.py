@@ -6,7 +6,9 @@ from the deltas of the engine's cumulative spec-decode counters around the timed
 no-speculation arm of the same run. A drafter is marked ``integration_fault`` when its checkpoint tells the
 engine other aux layers than it was trained on (the DESIGN.md failure: ids off by one between engines), or when
 the engine's τ falls below ``tau_ratio`` × the reference τ or its position-0 rate below ``position0_ratio`` ×
-the reference's. Engine outputs are compared with the engine's own no-speculation outputs.
+the reference's, or when the engine's states at the layers the checkpoint names differ from the states the
+drafter was trained on (``expman.evaluation.state_parity``, on ``parity_prompts`` of the prompts). Engine outputs
+are compared with the engine's own no-speculation outputs.
 """
 
 from __future__ import annotations
@@ -99,18 +101,21 @@ def _read_inputs(section: Any, where: BenchmarkPaths) -> tuple[_Work, dict[str, 
     return _Work(verifier_manifest, evaluation, ks, prompts, arms, static), upstream
 
 
-def _measure_arm(run: Any, section: Any, work: _Work, name: str, engine_run: Any, nospec: Any) -> dict[str, Any]:
+def _measure_arm(
+    run: Any, section: Any, work: _Work, name: str, engine_run: Any, nospec: Any, parity: dict[str, Any] | None
+) -> dict[str, Any]:
     """One drafter at each k in the engine, against its reference numbers: the arm's entry of ``benchmark.json``."""
     from expman.evaluation.fault_gate import integration_fault
 
     static = work.static[name]
-    entry: dict[str, Any] = {"path": str(work.arms[name]), "static_fault": static, "k": {}}
+    entry: dict[str, Any] = {"path": str(work.arms[name]), "static_fault": static, "parity": parity, "k": {}}
+    parity_reasons = list(parity.get("reasons", [])) if parity else []
     for k in work.ks:
         measured = engine_run(drafter_dir=work.arms[name], k=k)
         engine = _engine_numbers(measured, k, nospec, sum(len(o) for o in nospec.outputs) / nospec.seconds)
         reference = work.evaluation["summary"][name][f"k{k}"]
         verdict = integration_fault(reference, engine, section.tau_ratio, section.position0_ratio)
-        reasons = ([static] if static else []) + list(verdict.reasons)
+        reasons = ([static] if static else []) + parity_reasons + list(verdict.reasons)
         entry["k"][str(k)] = {
             "engine": engine,
             "reference": {key: reference[key] for key in ("tau", "per_position", "speedup")},
@@ -158,12 +163,30 @@ def _run_engine(run: Any, section: Any, where: BenchmarkPaths, work: _Work, resu
         bar.update()
         return measured
 
+    parity = _parity(section, where, work, device, dtype)
     nospec = counted(drafter_dir=None, k=0)
     nospec_tok_per_s = sum(len(o) for o in nospec.outputs) / nospec.seconds
     result["nospec"] = {"tok_per_s": nospec_tok_per_s, "seconds": nospec.seconds, "settings": nospec.settings}
     for name in work.arms:
-        result["arms"][name] = _measure_arm(run, section, work, name, counted, nospec)
+        result["arms"][name] = _measure_arm(run, section, work, name, counted, nospec, parity.get(name))
     bar.close()
+
+
+def _parity(section: Any, where: BenchmarkPaths, work: _Work, device: str, dtype: str) -> dict[str, Any]:
+    """Hidden-state parity of every arm on the first ``parity_prompts`` prompts ({} when switched off)."""
+    from expman.evaluation.state_parity import served_state_parity
+
+    if not section.parity_prompts:
+        return {}
+    return served_state_parity(
+        where.verifier,
+        work.arms,
+        work.prompts[: section.parity_prompts],
+        device,
+        dtype,
+        work.verifier_manifest["trust_remote_code"],
+        section.parity_min_cosine,
+    )
 
 
 def _summary(result: dict[str, Any]) -> dict[str, Any]:
