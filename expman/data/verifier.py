@@ -185,10 +185,10 @@ def load_verifier_head(model_dir: Path, device: str, dtype: Any) -> tuple[Any, A
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    trust = load_verifier_manifest(model_dir)["trust_remote_code"]
-    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust)
+    manifest = load_verifier_manifest(model_dir)
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=manifest["trust_remote_code"])
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=manifest["trust_remote_code"], dtype=dtype)
     norm, lm_head = getattr(model.get_decoder(), "norm", None), model.get_output_embeddings()
     if norm is None or lm_head is None:
         raise ExpmanError(f"{model_dir}: {type(model).__name__} has no final norm or lm_head to read")
