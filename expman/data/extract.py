@@ -179,18 +179,28 @@ def extract_shard(capture: CaptureHooks, samples: list[dict[str, Any]], section:
     if on_gpu:  # the copies were queued on the stream of the device the states are on
         copied = torch.cuda.Event()
         copied.record(torch.cuda.current_stream(aux.device))
-    loss_mask = torch.zeros(int(offsets[-1]), dtype=torch.bool)
-    for k, sample in enumerate(samples):
-        loss_mask[int(offsets[k]) + sample["prompt_tokens"] : int(offsets[k + 1])] = True
     tensors = {
-        "input_ids": torch.tensor([t for s in samples for t in s["ids"]], dtype=torch.int32),
-        "loss_mask": loss_mask,
+        **_token_tensors(samples, offsets),
         "aux_hidden_states": aux_host,
         "final_hidden_states": final_host,
         "verifier_top1": top1_host,
-        "sample_offsets": offsets.to(torch.int64),
     }
     return tensors, copied
+
+
+def _token_tensors(samples: list[dict[str, Any]], offsets: Any) -> dict[str, Any]:
+    """A shard's tensors that depend on the samples alone, whichever backend computed its states: token ids, the
+    loss mask (true on response tokens) and the sample offsets."""
+    import torch
+
+    loss_mask = torch.zeros(int(offsets[-1]), dtype=torch.bool)
+    for k, sample in enumerate(samples):
+        loss_mask[int(offsets[k]) + sample["prompt_tokens"] : int(offsets[k + 1])] = True
+    return {
+        "input_ids": torch.tensor([t for s in samples for t in s["ids"]], dtype=torch.int32),
+        "loss_mask": loss_mask,
+        "sample_offsets": offsets.to(torch.int64),
+    }
 
 
 # the dtypes extract writes, in the order safetensors lays tensors out (its dtype order, widest kinds first)
@@ -322,18 +332,11 @@ def engine_shard(engine: Any, head: tuple[Any, Any], samples: list[dict[str, Any
         normed = torch.cat([norm(part.to(norm.weight.device, dtype)) for part in flat[:, -1].split(LOGIT_CHUNK_TOKENS)])
         top1 = greedy_tokens(lm_head, normed).to("cpu", torch.int32)
     final = flat[:, -1] if final_state == "pre_norm" else normed.cpu()
-    lengths = [len(s["ids"]) for s in samples]
-    loss_mask = torch.zeros(sum(lengths), dtype=torch.bool)
-    offsets = torch.tensor([0, *lengths]).cumsum(0)
-    for k, sample in enumerate(samples):
-        loss_mask[int(offsets[k]) + sample["prompt_tokens"] : int(offsets[k + 1])] = True
     tensors = {
-        "input_ids": torch.tensor([t for s in samples for t in s["ids"]], dtype=torch.int32),
-        "loss_mask": loss_mask,
+        **_token_tensors(samples, torch.tensor([0, *[len(s["ids"]) for s in samples]]).cumsum(0)),
         "aux_hidden_states": flat[:, :-1].flatten(1).to(torch.bfloat16),
         "final_hidden_states": final.to(torch.bfloat16).contiguous(),
         "verifier_top1": top1,
-        "sample_offsets": offsets.to(torch.int64),
     }
     return tensors, None
 
