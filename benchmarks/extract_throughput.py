@@ -39,7 +39,8 @@ from harness import SHAPES, header, shape_option, timed, write_report
 
 from expman.data.extract import CaptureHooks, capture_contract, extract_shard, greedy_tokens, write_shards
 from expman.data.shards import ShardSet
-from expman.data.verifier import load_verifier, resolve_device, resolve_dtype
+from expman.data.verifier import load_verifier
+from expman.devices import resolve_device, resolve_dtype
 from expman.params import ExtractParams
 
 

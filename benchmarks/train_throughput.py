@@ -34,7 +34,7 @@ import torch
 from harness import SHAPES, header, shape_option, timed, write_report
 
 from expman.data.extract import default_aux_layers
-from expman.data.verifier import resolve_device
+from expman.devices import resolve_device
 from expman.drafter.model import DrafterConfig, Eagle3Drafter
 from expman.drafter.objective import Packed, VerifierHead
 from expman.params import TrainParams

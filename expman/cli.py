@@ -99,16 +99,17 @@ def promote(model: str, version: str, alias: str, force: bool, reason: str | Non
     """Move ALIAS to MODEL's VERSION (number, @alias or run id) if it passes the promote gates."""
     from pathlib import Path
 
-    from expman.params import PromoteParams, load_params
+    from expman.params import EvaluateParams, PromoteParams, load_params
     from expman.registry.promote import promote as run_promotion
-    from expman.registry.promote import render_gates
+    from expman.registry.promote import render_gates, resolved_target
     from expman.registry.reader import open_registry
 
     with user_errors():
         if params_file is None and not Path("params.yaml").is_file():
-            section = PromoteParams()
+            section = resolved_target(PromoteParams(), EvaluateParams())
         else:
-            section = load_params(params_file or "params.yaml").promote
+            params = load_params(params_file or "params.yaml")
+            section = resolved_target(params.promote, params.evaluate)
         promoted, k, gates = run_promotion(open_registry(), model, version, alias, section, force, reason)
     click.echo(render_gates(promoted, alias, k, gates, section.target))
     forced = " (forced: gates failed)" if not all(g.passed for g in gates) else ""

@@ -171,7 +171,8 @@ class GenerateParams(Section):
     """Passed to the chat template, e.g. ``{enable_thinking: true}`` for reasoning templates."""
     device: Device = "auto"
     dtype: Dtype = "auto"
-    """Compute dtype; auto = float32 on CPU (bf16 is slow on AVX2), bfloat16 on CUDA."""
+    """Compute dtype; auto = bfloat16 where the hardware computes it natively (CUDA; a CPU with AVX512-BF16 or
+    AMX-BF16), float32 elsewhere (bf16 is emulated, ~6x slower, on AVX2): ``expman.devices``."""
     tensor_parallel_size: PositiveInt = 1
     """vLLM backend only: GPUs to shard the verifier over."""
     self_prompts: SelfPromptParams = SelfPromptParams()
@@ -283,9 +284,9 @@ class TrainParams(Section):
     """For an EAGLE-format source that does not record its aux-id convention (e.g. AQ-MedAI's)."""
     device: Device = "auto"
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """auto: float32 on CPU, bfloat16 autocast on CUDA. bfloat16 autocasts on CPU too: on a CPU with AVX512-BF16
-    the same run trains in 0.73-0.78x the time at the same held-out tau (benchmarks/results/quality_tuning.json);
-    weights and optimizer state stay float32 either way."""
+    """auto: bfloat16 autocast where the hardware computes bf16 natively (CUDA; a CPU with AVX512-BF16 or AMX), float32
+    elsewhere. On a CPU with AVX512-BF16 the same run trains in 0.73-0.78x the time at the same held-out tau
+    (benchmarks/results/quality_tuning.json); weights and optimizer state stay float32 either way."""
     compile: Literal["auto"] | StrictBool = "auto"
     """torch.compile the training loss as one program and use block-sparse flex attention; auto: on CUDA only."""
     shard_window: PositiveInt = 4
@@ -357,9 +358,9 @@ class EvaluateParams(Section):
     """The baseline arm's drafter folder; null = only no-speculation and the candidate."""
     device: Device = "auto"
     dtype: Dtype = "auto"
-    """Compute dtype of the verifier and the drafters; auto: float32 on CPU (bf16 matmuls are ~6x slower on AVX2),
-    bfloat16 on CUDA. On a CPU with AVX512-BF16 bfloat16 is the faster one (benchmarks/results/round_cost_cpu.json);
-    outputs then equal greedy up to bf16 ties, which are counted apart from mismatches."""
+    """Compute dtype of the verifier and the drafters; auto: bfloat16 on CUDA and on a CPU with native bf16 (there the
+    faster one: benchmarks/results/round_cost_cpu.json), float32 elsewhere (bf16 matmuls are ~6x slower on AVX2).
+    In bf16 outputs equal greedy up to bf16 ties, which are counted apart from mismatches."""
     workers: PositiveInt = 1
     """Processes decoding prompts side by side, each with its own verifier and drafters. On a GPU a batch-1 decode
     is bound by kernel launches, so one GPU serves several (the arms of a prompt stay in one process, interleaved, so
@@ -392,7 +393,7 @@ class BenchmarkParams(Section):
     seed: int = 0
     device: Device = "auto"
     dtype: Dtype = "auto"
-    """auto: float32 on CPU, bfloat16 on CUDA."""
+    """auto: as in ``generate`` (bfloat16 where the hardware has it natively, float32 elsewhere)."""
 
 
 class RegisterParams(Section):
@@ -417,8 +418,10 @@ class PromoteParams(Section):
     """Every evaluated prompt's output must equal plain greedy decoding, at every k."""
     block_integration_fault: StrictBool = True
     """Refuse a version tagged ``expman.integration_fault=true`` (engine and reference evaluator disagree)."""
-    target: str = "torch-cpu-batch1"
-    """The deployment target the speedup was measured on; gates and audit tags name it."""
+    target: str = "auto"
+    """The deployment target the speedup must have been measured on; gates and audit tags name it, e.g.
+    ``torch-cpu-float32-batch1``. auto: the one this machine's ``evaluate`` section measures on (its device and the
+    dtype auto resolves to here)."""
 
 
 PRESETS = "presets"

@@ -15,7 +15,10 @@ from typing import Any
 
 import pytest
 
-TARGET = "torch-cpu-batch1"
+from expman.devices import resolve_device, speedup_target
+
+TARGET = speedup_target(resolve_device("auto"), "auto")
+"""Where the synthetic evaluations say they were measured: this machine's default target (``promote.target: auto``)."""
 
 
 @functools.cache
@@ -95,10 +98,11 @@ def synthetic_evaluation(
     ks: Sequence[int] = (1, 2, 3),
     seed: int = 0,
     ids: Sequence[str] | None = None,
+    target: str = TARGET,
 ) -> dict[str, Any]:
-    """A plausible evaluation: ``arms`` maps arm name to (sha256, per-draft acceptance quality); a round costs one
-    verifier forward (20 ms) plus 3 ms per drafted token, so a weak drafter is slower than no speculation. Its
-    summary is the evaluate stage's own."""
+    """A plausible evaluation measured on ``target``: ``arms`` maps arm name to (sha256, per-draft acceptance
+    quality); a round costs one verifier forward (20 ms) plus 3 ms per drafted token, so a weak drafter is slower
+    than no speculation. Its summary is the evaluate stage's own."""
     from expman.evaluation.evaluate import summarize
 
     rng = random.Random(seed)
@@ -118,7 +122,7 @@ def synthetic_evaluation(
                 seconds = rounds * (0.02 + 0.003 * k) * noise
                 row[arm][str(k)] = arm_result(k, rounds, per_position, tokens, seconds)
         rows.append(row)
-    result = evaluation(rows, ks, {arm: sha for arm, (sha, _) in arms.items()})
+    result = evaluation(rows, ks, {arm: sha for arm, (sha, _) in arms.items()}, target)
     return result | {"summary": summarize(rows, list(arms), list(ks))}
 
 

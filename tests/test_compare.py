@@ -18,7 +18,7 @@ from click.testing import CliRunner
 
 from expman.cli import main
 from expman.provenance import sha256_file
-from tests.registry_fixtures import add_version, arm_result, evaluation, tiny_checkpoint, use_store
+from tests.registry_fixtures import TARGET, add_version, arm_result, evaluation, tiny_checkpoint, use_store
 
 
 @pytest.fixture
@@ -121,7 +121,7 @@ def test_text_and_markdown_tables(store: Path) -> None:
     _in_run_registry(store)
     text = CliRunner().invoke(main, ["compare"]).stdout.splitlines()
     assert text[0].startswith("model eagle3-tiny, baseline v1 (@baseline); 95% CI: bootstrap over prompts, 2000")
-    assert "v2 (@candidate) k=1: 2 prompts on torch-cpu-batch1" in text[1] and "baseline paired in-run" in text[1]
+    assert f"v2 (@candidate) k=1: 2 prompts on {TARGET}" in text[1] and "baseline paired in-run" in text[1]
     header = next(line for line in text if line.startswith("version"))
     tau = next(line for line in text if " tau " in line)
     assert re.split(r"\s{2,}", tau) == [

@@ -21,7 +21,6 @@ from expman.evaluation.evaluate import (
     greedy_decode,
     select_prompts,
     speculative_decode,
-    speedup_target,
     summarize,
 )
 
@@ -96,13 +95,6 @@ def test_a_divergence_is_a_tie_only_within_tie_ulps() -> None:
     assert reference.divergence([5, 6, 9]) == {"position": 1, "gap_ulps": TIE_ULPS + 1, "tie": False}
     assert reference.divergence([5, 7, 4]) == {"position": 2, "gap_ulps": None, "tie": False}  # not in the top
     assert reference.divergence([5, 7]) == {"position": 2, "gap_ulps": None, "tie": False}
-
-
-def test_the_speedup_target_names_a_dtype_other_than_the_devices_default() -> None:
-    assert speedup_target("cpu", torch.float32) == "torch-cpu-batch1"
-    assert speedup_target("cpu", torch.bfloat16) == "torch-cpu-bfloat16-batch1"
-    assert speedup_target("cuda", torch.bfloat16) == "torch-cuda-batch1"
-    assert speedup_target("cuda", torch.float32) == "torch-cuda-float32-batch1"
 
 
 def _constant_verifier(verifier):
@@ -222,7 +214,7 @@ def test_summary_pools_counters_as_designed(tmp_path: Path) -> None:
     # would be drawn as 0), and the figure draws the candidate alone
     from expman.plots import evaluation_figure, evaluation_tables, read_table, write_tables
 
-    evaluation = {"ks": [2], "prompts": prompts, "target": "torch-cpu-batch1", "summary": summary}
+    evaluation = {"ks": [2], "prompts": prompts, "target": "torch-cpu-float32-batch1", "summary": summary}
     write_tables(tmp_path, evaluation_tables(evaluation))
     assert (tmp_path / "tau.csv").read_text() == "k,baseline,candidate\n2,nan,1.5\n"
     assert read_table(tmp_path / "per_position.csv")[1] == {

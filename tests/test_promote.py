@@ -17,7 +17,7 @@ from expman.provenance import sha256_file
 from expman.registry.reader import open_registry
 from expman.registry.tracking import set_version_tags
 from tests.conftest import tiny_params, write_prompts
-from tests.registry_fixtures import add_version, synthetic_evaluation, tiny_checkpoint, use_store
+from tests.registry_fixtures import TARGET, add_version, synthetic_evaluation, tiny_checkpoint, use_store
 
 MODEL = "eagle3-tiny"
 AUDIT = "expman.promote.champion."
@@ -53,7 +53,7 @@ def _refused(result, *expected: str) -> None:
 def test_passing_gates_move_the_alias_with_an_audit_trail(store: Path) -> None:
     result = _promote("@candidate", "--alias", "champion")
     assert result.exit_code == 0, result.output
-    assert result.stdout.splitlines()[0] == f"{MODEL} v2 -> @champion (k=3, target torch-cpu-batch1)"
+    assert result.stdout.splitlines()[0] == f"{MODEL} v2 -> @champion (k=3, target {TARGET})"
     assert "tau_gain           pass" in result.stdout and result.stdout.endswith("is now @champion\n")
     reader = open_registry()
     assert reader.alias(MODEL, "champion") == 2
@@ -61,7 +61,7 @@ def test_passing_gates_move_the_alias_with_an_audit_trail(store: Path) -> None:
     assert tags[AUDIT + "forced"] == "false" and tags[AUDIT + "reason"] == ""
     assert "@" in tags[AUDIT + "by"] and tags[AUDIT + "at"].endswith("+00:00")
     record = json.loads(tags[AUDIT + "gates"])
-    assert record["k"] == 3 and record["target"] == "torch-cpu-batch1"
+    assert record["k"] == 3 and record["target"] == TARGET
     assert [(g["name"], g["passed"]) for g in record["gates"]] == [
         ("tau_gain", True),
         ("speedup", True),
@@ -76,7 +76,7 @@ def test_failing_gates_are_refused_and_named(store: Path) -> None:
         f"{MODEL} v3 not promoted to @champion: tau_gain: measured -",
         "required > +0.000",
         "speedup: measured 0.",
-        "required > 1.000x on torch-cpu-batch1",
+        f"required > 1.000x on {TARGET}",
     )
     assert "greedy_equality" not in _promote("3").stderr  # passing gates are not listed
     assert not any(key.startswith("expman.promote.") for key in open_registry().version(MODEL, 3).tags)
@@ -106,20 +106,48 @@ def test_outputs_that_differ_from_greedy_block_promotion(store: Path) -> None:
     _refused(_promote("4"), "greedy_equality: measured k=2: 1 differ, 0 unchecked")
 
 
-def test_the_params_file_sets_the_gates(store: Path) -> None:
+def _project(store: Path) -> dict:
+    """The files a params.yaml names (a verifier folder, prompts) and the tiny params."""
     (store / "tiny-verifier").mkdir()
     (store / "tiny-verifier/config.json").write_text("{}")
     (store / "prompts").mkdir()
     write_prompts(store / "prompts", "train", 2)
     write_prompts(store / "prompts", "heldout", 2)
-    params = {**tiny_params("tiny-verifier"), "promote": {"k": 1, "target": "vllm-cpu-batch24"}}
+    return tiny_params("tiny-verifier")
+
+
+def test_the_params_file_sets_the_gates(store: Path) -> None:
+    params = {**_project(store), "promote": {"k": 1, "target": "vllm-cpu-batch24"}}
     (store / "params.yaml").write_text(yaml.safe_dump(params))
-    _refused(_promote("2"), "x on torch-cpu-batch1, required > 1.000x on vllm-cpu-batch24")  # measured elsewhere
+    _refused(_promote("2"), f"x on {TARGET}, required > 1.000x on vllm-cpu-batch24")  # measured elsewhere
     params["promote"] = {"k": 1, "min_speedup": 3.0}
     (store / "params.yaml").write_text(yaml.safe_dump(params))
-    _refused(_promote("2"), "required > 3.000x on torch-cpu-batch1")
+    _refused(_promote("2"), f"required > 3.000x on {TARGET}")
     (store / "other.yaml").write_text(yaml.safe_dump({**params, "promote": {"k": 7}}))
     _refused(_promote("2", "--params", "other.yaml"), "promote.k: 7 was not evaluated for eagle3-tiny v2")
+
+
+@pytest.mark.parametrize("flags", [{"avx2"}, {"avx2", "avx512_bf16"}], ids=["avx2-only", "avx512-bf16"])
+def test_target_auto_is_the_target_this_cpu_measures_on(
+    store: Path, monkeypatch: pytest.MonkeyPatch, flags: set[str]
+) -> None:
+    """promote.target: auto names what evaluate measures on here: float32 on an AVX2-only CPU, bfloat16 with native
+    bf16. A version measured in the other dtype is refused (a bf16 speedup says nothing about fp32 serving)."""
+    import expman.devices
+
+    monkeypatch.setattr(expman.devices, "cpu_flags", lambda: frozenset(flags))
+    here = "torch-cpu-bfloat16-batch1" if "avx512_bf16" in flags else "torch-cpu-float32-batch1"
+    other = "torch-cpu-float32-batch1" if "avx512_bf16" in flags else "torch-cpu-bfloat16-batch1"
+    params = _project(store)
+    params["evaluate"]["device"] = "cpu"
+    (store / "params.yaml").write_text(yaml.safe_dump({**params, "promote": {"k": 3}}))
+    for seed, target in ((5, here), (6, other)):
+        drafter = tiny_checkpoint(store / f"v{seed}", seed)
+        arms = {"candidate": (sha256_file(drafter / "model.safetensors"), 0.6)}
+        add_version(MODEL, drafter, synthetic_evaluation(arms, seed=seed, target=target))
+    _refused(_promote("5"), "speedup: measured 1.", f"x on {other}, required > 1.000x on {here}")
+    promoted = _promote("4")  # measured here
+    assert promoted.exit_code == 0 and f"v4 -> @champion (k=3, target {here})" in promoted.stdout
 
 
 def test_concurrent_promotions_leave_one_consistent_alias(store: Path) -> None:

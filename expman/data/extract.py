@@ -294,7 +294,7 @@ def write_shards(
     with ThreadPoolExecutor(SHARD_WRITERS, thread_name_prefix="shard-writer") as writers:
         for index, chunk in enumerate(chunks):
             name = f"shard-{index:05d}.safetensors"
-            key = sha256_json({"contract": contract, "samples": chunk, **_backend_key(section)})
+            key = sha256_json({"contract": contract, "samples": chunk, **_compute_key(section, device)})
             done = shards.done(name, key)
             if done is not None:
                 entries[index] = done
@@ -313,10 +313,15 @@ def write_shards(
     return entries, computed
 
 
-def _backend_key(section: ExtractParams) -> dict[str, str]:
-    """What else a shard's key depends on: the engine that computed it (nothing for the default hf backend, so
-    its keys, and the shards already on disk, stay valid)."""
-    return {} if section.backend == "hf" else {"backend": section.backend}
+def _compute_key(section: ExtractParams, device: str) -> dict[str, str]:
+    """What else a shard's key depends on: the engine and the compute dtype that produced it (nothing for the hf
+    backend in float32, so those keys, and the shards already on disk, stay valid)."""
+    from expman.devices import dtype_name
+
+    dtype = dtype_name(section.dtype, device)
+    return ({} if section.backend == "hf" else {"backend": section.backend}) | (
+        {} if dtype == "float32" else {"dtype": dtype}
+    )
 
 
 def engine_shard(engine: Any, head: tuple[Any, Any], samples: list[dict[str, Any]], final_state: str) -> tuple:
@@ -398,7 +403,8 @@ def _totals(entries: list[dict], samples: list[dict], records: list[dict], hidde
 def _shard_computer(section: ExtractParams, contract: dict[str, Any], where: ExtractPaths, device: str) -> Iterator:
     """A shard's samples -> its tensors, by ``extract.backend``; the verifier (or engine) loads on the first shard
     that needs computing and is released when the stage ends."""
-    from expman.data.verifier import load_verifier, load_verifier_head, load_verifier_manifest, resolve_dtype
+    from expman.data.verifier import load_verifier, load_verifier_head, load_verifier_manifest
+    from expman.devices import resolve_dtype
 
     dtype = resolve_dtype(section.dtype, device)
     loaded: list[Any] = []
@@ -446,15 +452,16 @@ def extract(params: Params, where: ExtractPaths) -> dict[str, Any]:
     """Write shards to ``params.extract.shard_dir`` and ``where.out/manifest.json``."""
     from tqdm import tqdm
 
-    from expman.data.verifier import resolve_device
+    from expman.devices import precision_facts, resolve_device
 
     section = params.extract
     contract, records, samples, upstream = _read_inputs(section, where)
     shard_dir = Path(section.shard_dir)
     shards = ShardSet(shard_dir)
     device = resolve_device(section.device)
+    precision = precision_facts(device, section.dtype)
     with (
-        stage_run("extract", section.model_dump(), upstream) as run,
+        stage_run("extract", section.model_dump() | {"resolved": precision}, upstream) as run,
         _shard_computer(section, contract, where, device) as compute,
     ):
         started = time.perf_counter()
@@ -474,6 +481,7 @@ def extract(params: Params, where: ExtractPaths) -> dict[str, Any]:
             "split": section.split,
             "backend": section.backend,
             "engine": _engine_version(section),
+            "precision": precision,
             "shard_dir": str(shard_dir),
             "shards": entries,
             "totals": totals,

@@ -34,7 +34,8 @@ class HFBackend:
     """Batched greedy (or sampled) generation with transformers; left padding, one prompt length bucket per batch."""
 
     def __init__(self, model_dir: Path, params: GenerateParams):
-        from expman.data.verifier import load_tokenizer, load_verifier, resolve_device, resolve_dtype
+        from expman.data.verifier import load_tokenizer, load_verifier
+        from expman.devices import resolve_device, resolve_dtype
 
         self.params = params
         self.device = resolve_device(params.device)
@@ -268,7 +269,10 @@ def generate(params: Params, where: GeneratePaths) -> dict[str, Any]:
     """Regenerate responses for every dataset of ``params.generate`` into ``where.out/<split>/shard-*.jsonl``."""
     from tqdm import tqdm
 
+    from expman.devices import precision_facts, resolve_device
+
     section = params.generate
+    precision = precision_facts(resolve_device(section.device), section.dtype)
     verifier_manifest = read_manifest(where.verifier / "manifest.json", "prepare")
     conversations = _read_conversations(section)
     upstream = {"prepare": upstream_entry(where.verifier / "manifest.json", verifier_manifest)}
@@ -278,8 +282,9 @@ def generate(params: Params, where: GeneratePaths) -> dict[str, Any]:
         **section.model_dump(
             exclude={"datasets", "shard_size", "batch_size", "device", "tensor_parallel_size", "self_prompts"}
         ),
+        "dtype": precision["dtype"],  # what auto resolved to on this machine: another dtype, other responses
     }
-    with stage_run("generate", section.model_dump(), upstream) as run:
+    with stage_run("generate", section.model_dump() | {"resolved": precision}, upstream) as run:
         backend: Backend | None = None
         self_prompted: dict[str, Any] | None = None
         if section.self_prompts.count:
@@ -302,7 +307,8 @@ def generate(params: Params, where: GeneratePaths) -> dict[str, Any]:
         if new_tokens:
             metrics["generated_tok_per_s"] = new_tokens / elapsed
         run.log_metrics(metrics)
-        facts = {"backend": section.backend, "verifier": verifier_manifest["verifier"], "splits": splits}
+        facts = {"backend": section.backend, "precision": precision, "verifier": verifier_manifest["verifier"]}
+        facts["splits"] = splits
         if self_prompted is not None:
             facts["self_prompts"] = self_prompted
         _remove_other_folders(where.out, {*splits, *(["self_prompts"] if self_prompted else [])})

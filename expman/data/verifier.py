@@ -23,30 +23,8 @@ __all__ = [
     "load_verifier",
     "load_verifier_head",
     "prepare",
-    "resolve_device",
-    "resolve_dtype",
     "verifier_facts",
 ]
-
-
-def resolve_device(device: str) -> str:
-    """auto → cuda when available, else cpu; an explicit cuda without a GPU is an error."""
-    import torch
-
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ExpmanError("device: cuda requested but torch sees no CUDA device")
-    return device
-
-
-def resolve_dtype(dtype: str, device: str) -> Any:
-    """auto → float32 on CPU (bf16 matmuls are ~6× slower on AVX2), bfloat16 on CUDA."""
-    import torch
-
-    if dtype == "auto":
-        return torch.bfloat16 if device == "cuda" else torch.float32
-    return getattr(torch, dtype)
 
 
 def _source_path(source: str, root: Path) -> Path:

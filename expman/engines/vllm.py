@@ -38,7 +38,8 @@ class VllmGenerator:
     """Generation through ``vllm.LLM.chat`` with the verifier's chat template."""
 
     def __init__(self, model_dir: Path, params: GenerateParams):
-        from expman.data.verifier import load_verifier_manifest, resolve_device
+        from expman.data.verifier import load_verifier_manifest
+        from expman.devices import dtype_name, resolve_device
 
         try:
             import vllm
@@ -47,7 +48,7 @@ class VllmGenerator:
         device = resolve_device(params.device)
         if device == "cpu":
             _cpu_defaults()
-        dtype = {"auto": "float32" if device == "cpu" else "bfloat16"}.get(params.dtype, params.dtype)
+        dtype = dtype_name(params.dtype, device)
         self.params = params
         whole_prefills = {}
         if device == "cpu" and (params.temperature > 0 or params.sampled_responses > 0 or params.self_prompts.count):

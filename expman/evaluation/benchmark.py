@@ -140,11 +140,9 @@ def _run_engine(run: Any, section: Any, where: BenchmarkPaths, work: _Work, resu
 
     from tqdm import tqdm
 
-    from expman.data.verifier import resolve_device
     from expman.engines.vllm import run_vllm_arm, vllm_version
 
-    device = resolve_device(section.device)
-    dtype = {"auto": "float32" if device == "cpu" else "bfloat16"}.get(section.dtype, section.dtype)
+    device, dtype = result["precision"]["device"], result["precision"]["dtype"]
     result["engine_version"] = vllm_version()
     engine_run = partial(
         run_vllm_arm,
@@ -208,12 +206,15 @@ def benchmark(params: Params, where: BenchmarkPaths) -> dict[str, Any]:
     """Run no speculation, baseline and candidate in the engine at the evaluation's ks; write ``benchmark.json``
     (engine numbers, reference numbers, verdicts) and ``manifest.json`` to ``where.out``, a summary to
     ``where.metrics``; the run logs engine against reference as ``figures/benchmark.png``."""
+    from expman.devices import precision_facts, resolve_device
     from expman.plots import BENCHMARK_FIGURE, benchmark_figure
 
     section = params.benchmark
     work, upstream = _read_inputs(section, where)
+    precision = precision_facts(resolve_device(section.device), section.dtype)
     result: dict[str, Any] = {"engine": section.engine, "ks": work.ks, "prompts": len(work.prompts), "arms": {}}
-    with stage_run("benchmark", section.model_dump(), upstream) as run:
+    result["precision"] = precision
+    with stage_run("benchmark", section.model_dump() | {"resolved": precision}, upstream) as run:
         if section.engine == "none":
             result["skipped"] = "benchmark.engine is none: no engine numbers, no integration-fault verdict"
         else:

@@ -42,7 +42,6 @@ __all__ = [
     "greedy_decode",
     "select_prompts",
     "speculative_decode",
-    "speedup_target",
     "summarize",
     "trained_aux_layers",
 ]
@@ -388,15 +387,6 @@ def _load_arm(
     return drafter.to(device=device, dtype=dtype).eval()
 
 
-def speedup_target(device: str, dtype: torch.dtype) -> str:
-    """The target the speedups were measured on, as promotion gates name it: the device, and the dtype where it is
-    not the device's default (a bf16 speedup on CPU says nothing about fp32 serving there)."""
-    from expman.data.verifier import resolve_dtype
-
-    suffix = "" if dtype == resolve_dtype("auto", device) else "-" + str(dtype).removeprefix("torch.")
-    return f"torch-{device}{suffix}-batch1"
-
-
 def _arm_row(
     tokens: list[int], stats: DecodeStats, seconds: float, reference: GreedyReference | None
 ) -> dict[str, Any]:
@@ -590,7 +580,7 @@ def evaluate(params: Params, where: EvaluatePaths) -> dict[str, Any]:
     """Run the three arms on the held-out prompts; write ``evaluation.json`` (per-prompt results + summary) and
     ``manifest.json`` to ``where.out``, the summary to ``where.metrics`` and its tables for ``dvc plots`` to
     ``where.plots``; the run logs the same pictures as ``figures/evaluate.png``."""
-    from expman.data.verifier import resolve_device, resolve_dtype
+    from expman.devices import precision_facts, resolve_device, resolve_dtype, speedup_target
     from expman.plots import EVALUATE_FIGURE, evaluation_figure, evaluation_tables, write_tables
 
     section: EvaluateParams = params.evaluate
@@ -603,16 +593,16 @@ def evaluate(params: Params, where: EvaluatePaths) -> dict[str, Any]:
         aux_layers = _checked_aux_layers(where.verifier, verifier_manifest["verifier"], arm_paths)
     else:
         aux_layers = {arm: list(drafter.config.aux_layer_ids) for arm, drafter in loaded[2].items()}
-    with stage_run("evaluate", section.model_dump(), upstream) as run:
+    resolved = {"resolved": precision_facts(device, section.dtype)}
+    with stage_run("evaluate", section.model_dump() | resolved, upstream) as run:
         rows = _measure(decoding, loaded, prompts)
         summary = summarize(rows, list(arm_paths), section.ks)
         evaluation = {
             "ks": section.ks,
             "max_new_tokens": section.max_new_tokens,
             "temperature": section.temperature,
-            "device": device,
-            "dtype": str(dtype).removeprefix("torch."),
-            "target": speedup_target(device, dtype),
+            **precision_facts(device, section.dtype),
+            "target": speedup_target(device, section.dtype),
             "workers": section.workers,
             "arms": {
                 arm: {

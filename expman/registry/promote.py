@@ -23,7 +23,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from expman.errors import ExpmanError
-from expman.params import PromoteParams
+from expman.params import EvaluateParams, PromoteParams
 from expman.registry.compare import compare
 from expman.registry.reader import RegistryReader, VersionRecord
 from expman.registry.tables import text_table
@@ -41,6 +41,15 @@ class Gate:
     passed: bool
     measured: str
     required: str
+
+
+def resolved_target(section: PromoteParams, evaluate: EvaluateParams) -> PromoteParams:
+    """``section`` with ``target: auto`` replaced by the target ``evaluate`` measures on, on this machine."""
+    if section.target != "auto":
+        return section
+    from expman.devices import resolve_device, speedup_target
+
+    return section.model_copy(update={"target": speedup_target(resolve_device(evaluate.device), evaluate.dtype)})
 
 
 def evaluate_gates(report: dict[str, Any], version: VersionRecord, section: PromoteParams) -> tuple[int, list[Gate]]:

@@ -170,7 +170,7 @@ def launch(section: TrainParams, argv: list[str]) -> int | None:
     import subprocess
     import sys
 
-    from expman.data.verifier import resolve_device
+    from expman.devices import resolve_device
     from expman.errors import ExpmanError
     from expman.provenance import sha256_json
 

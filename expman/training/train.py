@@ -23,6 +23,7 @@ import torch
 
 from expman.data.conversations import prompt_id
 from expman.data.shards import remove_stale_temps
+from expman.devices import dtype_name, precision_facts, resolve_device
 from expman.drafter.checkpoint import save_speculators
 from expman.drafter.model import DrafterConfig, Eagle3Drafter
 from expman.drafter.objective import Packed, VerifierHead, compiled_ttt_loss, metric_values, simulated_tau, ttt_loss
@@ -102,8 +103,9 @@ def mean_metrics(tracked: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tens
 
 
 def autocasts(section: TrainParams, device: str) -> bool:
-    """bf16 autocast: where ``train.dtype`` asks for bfloat16, and under ``auto`` on CUDA."""
-    return section.dtype == "bfloat16" or (section.dtype == "auto" and device == "cuda")
+    """bf16 autocast: where ``train.dtype`` asks for bfloat16, and under ``auto`` where the hardware computes bf16
+    natively (CUDA, a CPU with AVX512-BF16 or AMX). Weights and optimizer state stay float32 either way."""
+    return dtype_name(section.dtype, device) == "bfloat16"
 
 
 def compiles(section: TrainParams, device: str) -> bool:
@@ -215,12 +217,14 @@ def _check_inputs(verifier: dict, extract: dict, vocab: dict, paths: tuple[Path,
 
 
 def _evaluate(drafter, head, reader: ShardReader, batches, section, device) -> dict[str, float]:
-    """Held-out loss, accuracies and simulated τ of ``batches``, weighted by their scored positions."""
+    """Held-out loss, accuracies and simulated τ of ``batches``, weighted by their scored positions; under the
+    training step's autocast (FSDP gathers the weights in its dtype, and the drafter is measured as it trains)."""
     totals: dict[str, float] = {}
     weights: dict[str, float] = {}
     drafter.eval()
     pad_to = section.max_tokens if compiles(section, device) else None  # one shape for compiled flex attention
-    with torch.no_grad():
+    autocast = torch.autocast(device, dtype=torch.bfloat16) if autocasts(section, device) else nullcontext()
+    with torch.no_grad(), autocast:
         for batch in _feed(reader, batches, section, device, pad_to):
             metrics = metric_values(ttt_loss(drafter, head, batch, section.ttt_steps, section.step_loss_decay)[1])
             for k in range(section.ttt_steps):
@@ -339,6 +343,7 @@ def _write_outputs(
     run.log_figure(train_figure(loop.history["steps"], loop.history["heldout"], loop.stage), TRAIN_FIGURE)
     contract = inputs.extract["contract"]
     facts = {"contract": contract, "draft_vocab_size": drafter.config.draft_vocab_size, "metrics": metrics}
+    facts["precision"] = precision_facts(loop.device, section.dtype)
     if finish is not None:
         facts.update(finish(run, where.out))
     return run.write_manifest(where.out / "manifest.json", facts)
@@ -358,7 +363,6 @@ def train(
 
     The baseline stage reuses this with its own ``stage`` name, a ``sample_share`` of the training samples and a
     ``finish`` step (registration) that runs inside the same MLflow run and adds facts to the manifest."""
-    from expman.data.verifier import resolve_device
 
     inputs = _read_inputs(section, where, sample_share)
     device = resolve_device(section.device)
@@ -380,7 +384,8 @@ def train(
     val_batches = (
         batch_plan(val_refs, section.max_tokens, section.seed, VAL_EPOCH, section.shard_window) if val_refs else []
     )
-    logged = section.model_dump() | ({"sample_share": sample_share} if sample_share < 1 else {})
+    logged = section.model_dump() | {"resolved": precision_facts(device, section.dtype)}
+    logged |= {"sample_share": sample_share} if sample_share < 1 else {}
     loop = _Loop(section, device, parallel, drafter, head, optimizer, scheduler, noise, reader, stage, history)
     try:
         with stage_run(stage, logged, inputs.upstream) if parallel.main else nullcontext() as run:
