@@ -230,12 +230,14 @@ def test_baseline_train_and_evaluate_stages_on_the_tiny_project(project: Path) -
     import dataclasses
 
     import yaml
+    from mlflow import MlflowClient
 
     from expman import paths
     from expman.evaluation.evaluate import evaluate
     from expman.params import load_params
     from expman.paths import EvaluatePaths, TrainPaths
     from expman.registry.reader import open_registry
+    from expman.registry.tracking import VIEW_TAG
     from expman.training.baseline import baseline
     from expman.training.train import train
     from tests.test_pipeline import run_until
@@ -268,6 +270,16 @@ def test_baseline_train_and_evaluate_stages_on_the_tiny_project(project: Path) -
             pooled = evaluation["summary"][arm][f"k{k}"]
             assert 1.0 <= pooled["tau"] <= k + 1 and pooled["speedup"] > 0 and pooled["greedy_mismatches"] == 0
     assert set(manifest["provenance"]["upstream"]) == {"prepare", "generate", "baseline", "candidate"}
+    client = MlflowClient()  # expman ui's runs table shows each arm's tau and speedup beside the stage
+    experiment_id = client.get_run(manifest["provenance"]["mlflow_run_id"]).info.experiment_id
+    columns = json.loads(client.get_experiment(experiment_id).tags[VIEW_TAG])["selectedColumns"]
+    shown = {
+        f"metrics.`{arm}/k{k}/{name}`"
+        for arm in ("baseline", "candidate")
+        for k in (1, 3)
+        for name in ("tau", "speedup")
+    }
+    assert shown | {"tags.`expman.stage`"} <= set(columns)
 
     # two worker processes (evaluate.workers) decode the same rows in the same order; only the timings differ
     parallel = loaded.evaluate.model_copy(update={"workers": 2})

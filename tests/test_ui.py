@@ -9,6 +9,7 @@ from the registered candidate back to prepare. Screenshots of every page go to `
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -16,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -40,6 +42,10 @@ MODEL = "eagle3-ui-check"
 EXPERIMENT = "ui-check"  # the DVC experiment name: stage runs are named ui-check/<stage>
 RUN_LINK = re.compile(r"#/experiments/(\d+)/runs/([0-9a-f]{32})")
 WALK = ("register", "train", "extract", "prepare")  # each run's description links to the next
+EVALUATIONS = (  # two evaluate runs, with metrics named as the evaluate stage names them
+    {"candidate/k3/tau": 1.357, "candidate/k3/speedup": 0.812, "baseline/k3/tau": 1.166},
+    {"candidate/k3/tau": 1.624, "candidate/k3/speedup": 1.093, "baseline/k3/tau": 1.166},
+)
 
 
 def _browser() -> str:
@@ -59,11 +65,20 @@ class Store:
     shas: dict[int, str]
 
 
-def _stage(name: str, inputs: dict[str, tuple[Path, dict]], registers: tuple[Path, str] | None = None) -> tuple:
+def _stage(
+    name: str,
+    inputs: dict[str, tuple[Path, dict]],
+    registers: tuple[Path, str] | None = None,
+    metrics: dict[str, float] | None = None,
+) -> tuple:
     """One stage execution as the stages record it: a tagged run over its inputs' manifests, its own manifest, and,
-    for ``registers`` (folder, alias), a version registered inside the run."""
+    for ``registers`` (folder, alias), a version registered inside the run; ``metrics`` logged and shown in the
+    runs table as the evaluate stage does."""
     upstream = {stage: upstream_entry(path, manifest) for stage, (path, manifest) in inputs.items()}
     with stage_run(name, {"stage": name}, upstream) as run:
+        if metrics:
+            run.log_metrics(metrics)
+            run.show_columns(list(metrics))
         facts = {}
         if registers is not None:
             folder, alias = registers
@@ -87,13 +102,19 @@ def build_store(root: Path, monkeypatch: pytest.MonkeyPatch) -> Store:
     features = {"prepare": prepare, "extract": extract, "vocab": vocab}
     baseline = _stage("baseline", features, (drafters[0], "baseline"))
     train = _stage("train", features)
-    evaluate = _stage("evaluate", {"prepare": prepare, "generate": generate, "baseline": baseline, "candidate": train})
+    evaluated = {"prepare": prepare, "generate": generate, "baseline": baseline, "candidate": train}
+    evaluate = _stage("evaluate", evaluated, metrics=EVALUATIONS[0])
     inputs = {"prepare": prepare, "vocab": vocab, "train": train, "evaluate": evaluate}
     first = _stage("register", inputs, (drafters[1], "candidate"))
     set_alias(MODEL, "champion", first[1]["version"])
+    inputs["evaluate"] = _stage("evaluate", evaluated, metrics=EVALUATIONS[1])
     register = _stage("register", inputs, (drafters[2], "candidate"))
     chain = {"prepare": prepare, "extract": extract, "train": train, "register": register}
     runs = {stage: manifest["provenance"]["mlflow_run_id"] for stage, (_, manifest) in chain.items()}
+    runs |= {
+        f"evaluate-{n}": manifest["provenance"]["mlflow_run_id"]
+        for n, (_, manifest) in enumerate((evaluate, inputs["evaluate"]))
+    }
     shas = {number: sha256_file(folder / "model.safetensors") for number, folder in enumerate(drafters, start=1)}
     return Store(root, mlflow.get_run(runs["prepare"]).info.experiment_id, runs, shas)
 
@@ -241,6 +262,29 @@ def test_ui_shows_versions_aliases_and_the_stage_chain(tmp_path: Path, monkeypat
         for stage in ("prepare", "generate", "extract", "vocab", "baseline", "train", "evaluate", "register"):
             assert f"{EXPERIMENT}/{stage}" in runs.text, f"run of {stage} not listed"
         assert runs.text.count(f"{EXPERIMENT}/register") == 2
+
+        # the table expman ui points at: each run's stage, and the evaluate runs' tau and speedup side by side
+        link = re.search(r"stage runs \(stage, tau and speedup columns\): (\S+)", (tmp_path / "ui.log").read_text())
+        assert link, "expman ui printed no link to the runs table"
+        table = render(link.group(1), "runs-table")
+        header = table.text.split("Hide run")[0]
+        for column in ("expman.stage", "Duration", "baseline/k3/tau", "candidate/k3/speedup", "candidate/k3/tau"):
+            assert column in header, f"runs table: no {column} column ({header[-300:]})"
+        for values in EVALUATIONS:  # metric columns in name order, then the stage tag
+            row = f"{values['baseline/k3/tau']} {values['candidate/k3/speedup']} {values['candidate/k3/tau']} evaluate"
+            assert row in table.text, f"runs table: no row {row!r}"
+        assert table.text.count(" - - - prepare") == 1  # the other stages show the stage and no metric
+
+        # what "Compare" on the two evaluate runs opens: every metric, one column per run
+        ids = json.dumps([store.runs["evaluate-0"], store.runs["evaluate-1"]])
+        query = urllib.parse.urlencode({"runs": ids, "experiments": json.dumps([store.experiment_id])})
+        compared = render(f"{ui}/#/compare-runs?{query}", "compare-evaluate")
+        assert "Comparing 2 Runs" in compared.text, compared.text[:500]
+        metrics = compared.text.split("Metrics Show diff only", 1)[1]
+        names = "baseline/k3/tau candidate/k3/speedup candidate/k3/tau"
+        first, second = EVALUATIONS
+        side_by_side = " ".join(f"{first[name]} {second[name]}" for name in names.split())
+        assert metrics.startswith(f" {names} {side_by_side}"), metrics[:300]
 
         version = render(f"{ui}/#/models/{MODEL}/versions/3", "version-3")
         sources = [href for href, text in version.links if text == f"{EXPERIMENT}/register"]

@@ -617,7 +617,9 @@ def evaluate(params: Params, where: EvaluatePaths) -> dict[str, Any]:
         }
         atomic_write_json(where.out / "evaluation.json", evaluation)
         run.log_artifact(where.out / "evaluation.json")
-        run.log_metrics(_flat_metrics(summary, list(arm_paths)))
+        metrics = _flat_metrics(summary, list(arm_paths))
+        run.log_metrics(metrics)
+        run.show_columns([name for name in metrics if name.endswith(("/tau", "/speedup"))])  # in expman ui's table
         atomic_write_json(where.metrics, {k: v for k, v in summary.items() if k != "by_category"})
         write_tables(where.plots, evaluation_tables(evaluation))
         run.log_figure(evaluation_figure(evaluation), EVALUATE_FIGURE)

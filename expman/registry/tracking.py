@@ -18,7 +18,7 @@ import json
 import os
 import random
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -54,6 +54,12 @@ MAX_PARAM_LENGTH = 6000
 KIND_TAG, KIND = "mlflow.experimentKind", "custom_model_development"
 """The experiment tag MLflow's UI reads to open an experiment on its runs table ("Model training") instead of the
 GenAI overview."""
+TABLE_VIEW = "expman"
+"""The runs-table view ``expman ui`` points at (``#/experiments/<id>/runs?viewStateShareKey=expman``): a view state
+MLflow's UI shares through the experiment tag ``VIEW_TAG`` (JSON), holding the columns to show: each run's stage,
+its duration, and the τ and speedup the evaluate stage logs (``StageRun.show_columns``)."""
+VIEW_TAG = "mlflow.sharedViewState." + TABLE_VIEW
+BASE_COLUMNS = ("tags.`expman.stage`", "attributes.`Duration`")  # MLflow's column keys: <kind>.`<name>`
 
 # MLflow's usage telemetry is off unless the user turns it on: expman sends nothing unasked, and offline the
 # telemetry thread edits os.environ while requests reads it (a KeyError crashed a registrant in test_team).
@@ -121,6 +127,21 @@ class StageRun:
         self.log_artifact(path)
         return manifest
 
+    def show_columns(self, metrics: Sequence[str]) -> None:
+        """Add ``metrics`` to the columns of the runs table ``expman ui`` opens (``TABLE_VIEW``)."""
+        from mlflow import MlflowClient
+
+        client = MlflowClient()
+        experiment_id = client.get_run(self.run_id).info.experiment_id
+
+        def merge() -> None:
+            view = json.loads(client.get_experiment(experiment_id).tags.get(VIEW_TAG) or "{}")
+            columns = view.get("selectedColumns") or list(BASE_COLUMNS)
+            columns += [key for key in (f"metrics.`{name}`" for name in metrics) if key not in columns]
+            client.set_experiment_tag(experiment_id, VIEW_TAG, json.dumps({**view, "selectedColumns": columns}))
+
+        _retry_contended(merge)
+
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         """Queue ``metrics`` for one background thread that sends them in order, so a training loop never waits on
         the tracking store; ``flush`` (at the end of the stage run) waits for them and raises what failed."""
@@ -163,22 +184,25 @@ def _project_store(uri: str, root: Path) -> bool:
 
 def _experiment_id(client: Any, name: str, uri: str, root: Path) -> str:
     """The experiment's id, created on first use; when another process created it in between, that one is used.
-    It carries ``KIND_TAG``: an existing experiment without it gets it, one of another kind keeps its own."""
+    It carries ``KIND_TAG`` and the runs-table view ``VIEW_TAG``: an existing experiment without them gets them,
+    one of another kind keeps its own."""
     from mlflow.exceptions import MlflowException
 
+    tags = {KIND_TAG: KIND, VIEW_TAG: json.dumps({"selectedColumns": list(BASE_COLUMNS)})}
     experiment = client.get_experiment_by_name(name)
     if experiment is None:
         location = (root / "mlartifacts").as_uri() if _project_store(uri, root) else None
         try:
-            return _retry_contended(
-                lambda: client.create_experiment(name, artifact_location=location, tags={KIND_TAG: KIND})
-            )
+            return _retry_contended(lambda: client.create_experiment(name, artifact_location=location, tags=tags))
         except MlflowException as err:
             if err.error_code != "RESOURCE_ALREADY_EXISTS":
                 raise
         experiment = client.get_experiment_by_name(name)
-    if KIND_TAG not in experiment.tags:
-        _retry_contended(lambda: client.set_experiment_tag(experiment.experiment_id, KIND_TAG, KIND))
+    for key, value in tags.items():
+        if key not in experiment.tags:
+            _retry_contended(
+                lambda key=key, value=value: client.set_experiment_tag(experiment.experiment_id, key, value)
+            )
     return experiment.experiment_id
 
 
@@ -234,6 +258,18 @@ def stage_run(stage: str, params: Mapping[str, Any], upstream: Mapping[str, Mapp
             handle.flush()
 
 
+def _print_table_link(uri: str, host: str, port: int) -> None:
+    """Where the stage runs' table is, with the stage, τ and speedup columns (``TABLE_VIEW``)."""
+    from mlflow import MlflowClient
+
+    experiment = MlflowClient(tracking_uri=uri).get_experiment_by_name(
+        os.environ.get("MLFLOW_EXPERIMENT_NAME", "expman")
+    )
+    if experiment is not None:
+        link = f"http://{host}:{port}/#/experiments/{experiment.experiment_id}/runs?viewStateShareKey={TABLE_VIEW}"
+        print(f"stage runs (stage, tau and speedup columns): {link}", flush=True)
+
+
 def serve_ui(host: str, port: int) -> None:
     """Become ``mlflow ui`` on the project's store (exec, so a signal to this pid reaches the server itself, and no
     parent is left to outlive it); MLflow's background job workers stay off unless the user turns them on."""
@@ -241,6 +277,7 @@ def serve_ui(host: str, port: int) -> None:
 
     root = Path.cwd().resolve()
     uri = default_tracking_uri(root)
+    _print_table_link(uri, host, port)
     command = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri]
     if _project_store(uri, root):
         command += ["--default-artifact-root", (root / "mlartifacts").as_uri()]
