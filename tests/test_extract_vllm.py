@@ -40,7 +40,10 @@ def test_vllm_states_match_transformers_on_smollm2(tmp_path: Path, monkeypatch: 
     params["generate"].update(datasets=[{"path": "prompts/train.jsonl"}], max_new_tokens=48)
     manifests = {}
     for backend in ("hf", "vllm"):
-        params["extract"].update(backend=backend, shard_dir=f"shards-{backend}", samples_per_shard=3)
+        # fp32 (dtype auto is bf16 on a CPU with AVX512-BF16): in bf16 the two engines' kernels round differently,
+        # min cosine 0.9965 at aux 15 measured on this test's tokens, which is what parity_min_cosine allows for
+        section = {"backend": backend, "shard_dir": f"shards-{backend}", "samples_per_shard": 3, "dtype": "float32"}
+        params["extract"].update(section)
         Path("params.yaml").write_text(yaml.safe_dump(params))
         loaded = load_params("params.yaml")
         if backend == "hf":
