@@ -72,6 +72,7 @@ def main(project: Path, work: Path, out: Path | None) -> None:
         manifest, seconds = _arm(project, work, backend)
         tokens = manifest["totals"]["tokens"]
         arms[backend] = {"seconds": seconds, "tok_per_s": tokens / seconds, "engine": manifest["engine"]}
+        arms[backend]["precision"] = manifest["precision"]  # what dtype auto resolved to on this machine
         manifests[backend] = manifest
     report = {
         **header("extract_backends", "cpu"),
