@@ -390,6 +390,9 @@ class BenchmarkParams(Section):
     from the states the drafter was trained on (one more engine start and a transformers forward); 0 = off."""
     parity_min_cosine: float = Field(default=0.99, gt=0.0, le=1.0)
     """The mean per-token cosine every layer must reach."""
+    compile: Literal["auto"] | StrictBool = "auto"
+    """The engine's torch.compile (and CUDA graphs); auto: on CUDA only. On CPU its warmup costs more than the
+    default graph's whole benchmark; ``true`` measures the engine as a compiled deployment runs it."""
     seed: int = 0
     device: Device = "auto"
     dtype: Dtype = "auto"

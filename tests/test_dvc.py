@@ -185,7 +185,8 @@ def test_plots_and_the_registered_version_in_a_browser(tiny_graph: Path, tmp_pat
 def test_dvc_graph_on_smollm2(tmp_path: Path) -> None:
     pytest.importorskip("gguf")
     params = yaml.safe_load((REPO / "params.yaml").read_text())
-    params["generate"].update(max_new_tokens=24, batch_size=8, shard_size=8)
+    # transformers: vLLM's compile warmup on CPU (1.5 min) would outlast generating these 12 short responses
+    params["generate"].update(max_new_tokens=24, batch_size=8, shard_size=8, backend="hf")
     params["extract"].update(samples_per_shard=4)
     params["train"].update(epochs=1, max_tokens=512, val_fraction=0.25)
     params["baseline"]["train"].update(epochs=1, max_tokens=512, val_fraction=0.25)

@@ -37,7 +37,8 @@ def test_vllm_states_match_transformers_on_smollm2(tmp_path: Path, monkeypatch: 
     write_prompts(tmp_path / "prompts", "train", 8)
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     params.pop("preset")  # params.yaml alone: this folder has no presets/
-    params["generate"].update(datasets=[{"path": "prompts/train.jsonl"}], max_new_tokens=48)
+    # the responses come from transformers: vLLM's compile warmup on CPU would outlast these 8 short ones
+    params["generate"].update(datasets=[{"path": "prompts/train.jsonl"}], max_new_tokens=48, backend="hf")
     manifests = {}
     for backend in ("hf", "vllm"):
         # fp32 (dtype auto is bf16 on a CPU with AVX512-BF16): in bf16 the two engines' kernels round differently,

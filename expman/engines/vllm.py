@@ -3,8 +3,10 @@ verifier's hidden states for the extract stage (vLLM's ``extract_hidden_states``
 benchmark stage (no speculation, or EAGLE-3 with a drafter folder and k draft tokens).
 
 On CPU, vLLM reserves one core for its front end unless told otherwise; on a 2-core machine that halves
-throughput, so expman gives the engine every core unless the user set the variables. The engine runs in a
-spawned process: callers need an ``if __name__ == "__main__":`` guard (the stage scripts have one).
+throughput, so expman gives the engine every core unless the user set the variables. On CPU the engine also runs
+in the caller's process: its two spawned processes (engine core, worker) each import vLLM again, which made an
+engine start 54 s instead of 25 s on 2 cores, six times per benchmark stage. Elsewhere the engine runs in spawned
+processes: callers need an ``if __name__ == "__main__":`` guard (the stage scripts have one).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ def _cpu_defaults() -> None:
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{cores - 1}")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
 class VllmGenerator:
@@ -146,9 +149,11 @@ def run_vllm_arm(
     dtype: str,
     seed: int,
     trust_remote_code: bool,
+    compile: bool,
 ) -> EngineArm:
     """Greedy generation of every prompt (token ids) in one batch; with ``drafter_dir``, EAGLE-3 speculation
-    with a chain of ``k``. One warm-up request runs before the timed batch; the engine is shut down after."""
+    with a chain of ``k``; without ``compile`` the engine runs eagerly. One warm-up request runs before the timed
+    batch; the engine is shut down after."""
     import gc
 
     try:
@@ -157,7 +162,13 @@ def run_vllm_arm(
         raise ExpmanError("benchmark.engine: vllm is not installed (pip install '.[engine]')") from None
     if device == "cpu":
         _cpu_defaults()
-    settings: dict[str, Any] = {"dtype": dtype, "seed": seed, "max_new_tokens": max_new_tokens, "batch": len(prompts)}
+    settings: dict[str, Any] = {
+        "dtype": dtype,
+        "seed": seed,
+        "max_new_tokens": max_new_tokens,
+        "batch": len(prompts),
+        "compile": compile,
+    }
     if drafter_dir is not None:
         settings["speculative_config"] = {"method": "eagle3", "model": str(drafter_dir), "num_speculative_tokens": k}
     llm = vllm.LLM(
@@ -167,6 +178,7 @@ def run_vllm_arm(
         disable_log_stats=False,  # keeps the spec-decode counters get_metrics() reads
         trust_remote_code=trust_remote_code,
         speculative_config=settings.get("speculative_config"),
+        **({} if compile else {"compilation_config": {"mode": 0}, "enforce_eager": True}),
     )
     try:
         greedy = vllm.SamplingParams(temperature=0.0, max_tokens=max_new_tokens)

@@ -153,6 +153,7 @@ def _run_engine(run: Any, section: Any, where: BenchmarkPaths, work: _Work, resu
         dtype=dtype,
         seed=section.seed,
         trust_remote_code=work.verifier_manifest["trust_remote_code"],
+        compile=device == "cuda" if section.compile == "auto" else section.compile,
     )
     bar = tqdm(total=1 + len(work.arms) * len(work.ks), desc="benchmark", unit="engine run")
 
