@@ -3,10 +3,8 @@ verifier's hidden states for the extract stage (vLLM's ``extract_hidden_states``
 benchmark stage (no speculation, or EAGLE-3 with a drafter folder and k draft tokens).
 
 On CPU, vLLM reserves one core for its front end unless told otherwise; on a 2-core machine that halves
-throughput, so expman gives the engine every core unless the user set the variables. On CPU the engine also runs
-in the caller's process: its two spawned processes (engine core, worker) each import vLLM again, which made an
-engine start 54 s instead of 25 s on 2 cores, six times per benchmark stage. Elsewhere the engine runs in spawned
-processes: callers need an ``if __name__ == "__main__":`` guard (the stage scripts have one).
+throughput, so expman gives the engine every core unless the user set the variables. The engine runs in a
+spawned process: callers need an ``if __name__ == "__main__":`` guard (the stage scripts have one).
 """
 
 from __future__ import annotations
@@ -34,7 +32,6 @@ def _cpu_defaults() -> None:
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{cores - 1}")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
 class VllmGenerator:
