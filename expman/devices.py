@@ -52,6 +52,12 @@ def dtype_name(dtype: str, device: str) -> str:
     return "bfloat16" if device == "cuda" or native_bf16() else "float32"
 
 
+def compiles(setting: str | bool, device: str) -> bool:
+    """Whether a ``compile`` setting (``train.compile``, ``benchmark.compile``) compiles on ``device``: auto → on
+    CUDA only (on CPU the compile warmup outlasted the work it sped up); true or false as given."""
+    return device == "cuda" if setting == "auto" else bool(setting)
+
+
 def resolve_dtype(dtype: str, device: str) -> Any:
     """``dtype_name`` as a torch dtype."""
     import torch

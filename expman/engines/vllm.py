@@ -27,6 +27,10 @@ from expman.params import GenerateParams
 __all__ = ["EngineArm", "VllmGenerator", "VllmHiddenStates", "run_vllm_arm", "vllm_version"]
 
 
+EAGER = {"compilation_config": {"mode": 0}, "enforce_eager": True}
+"""Engine settings without torch.compile (and without CUDA graphs)."""
+
+
 def _cpu_defaults() -> None:
     cores = os.cpu_count() or 1
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
@@ -175,7 +179,7 @@ def run_vllm_arm(
         disable_log_stats=False,  # keeps the spec-decode counters get_metrics() reads
         trust_remote_code=trust_remote_code,
         speculative_config=settings.get("speculative_config"),
-        **({} if compile else {"compilation_config": {"mode": 0}, "enforce_eager": True}),
+        **({} if compile else EAGER),
     )
     try:
         greedy = vllm.SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
@@ -219,7 +223,7 @@ class VllmHiddenStates:
             _cpu_defaults()
             # on CPU the compile warmup dominated this prefill-only workload: the default graph's extract stage took
             # 194 s with it (engine init 93 s) and 110 s without (init 1 s) on 2 cores in bf16 (README "Scaling out")
-            eager = {"compilation_config": {"mode": 0}}
+            eager = EAGER
         self.layer_ids = list(layer_ids)
         self.columns = [sorted(set(layer_ids)).index(i) for i in layer_ids]  # the engine stores ids ascending
         self.folder = tempfile.mkdtemp(prefix="expman-states-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None)

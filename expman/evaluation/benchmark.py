@@ -140,6 +140,7 @@ def _run_engine(run: Any, section: Any, where: BenchmarkPaths, work: _Work, resu
 
     from tqdm import tqdm
 
+    from expman.devices import compiles
     from expman.engines.vllm import run_vllm_arm, vllm_version
 
     device, dtype = result["precision"]["device"], result["precision"]["dtype"]
@@ -153,7 +154,7 @@ def _run_engine(run: Any, section: Any, where: BenchmarkPaths, work: _Work, resu
         dtype=dtype,
         seed=section.seed,
         trust_remote_code=work.verifier_manifest["trust_remote_code"],
-        compile=device == "cuda" if section.compile == "auto" else section.compile,
+        compile=compiles(section.compile, device),
     )
     bar = tqdm(total=1 + len(work.arms) * len(work.ks), desc="benchmark", unit="engine run")
 

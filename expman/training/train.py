@@ -23,6 +23,7 @@ import torch
 
 from expman.data.conversations import prompt_id
 from expman.data.shards import remove_stale_temps
+from expman.devices import compiles as setting_compiles
 from expman.devices import dtype_name, precision_facts, resolve_device
 from expman.drafter.checkpoint import save_speculators
 from expman.drafter.model import DrafterConfig, Eagle3Drafter
@@ -110,7 +111,7 @@ def autocasts(section: TrainParams, device: str) -> bool:
 
 def compiles(section: TrainParams, device: str) -> bool:
     """Whether training compiles its loss and uses flex attention (``train.compile``; auto: on CUDA)."""
-    return section.compile is True or (section.compile == "auto" and device == "cuda")
+    return setting_compiles(section.compile, device)
 
 
 def new_optimizer(drafter: Eagle3Drafter, section: TrainParams, total_steps: int) -> tuple[Any, Any]:
