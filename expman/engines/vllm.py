@@ -3,19 +3,22 @@ verifier's hidden states for the extract stage (vLLM's ``extract_hidden_states``
 benchmark stage (no speculation, or EAGLE-3 with a drafter folder and k draft tokens).
 
 On CPU, vLLM reserves one core for its front end unless told otherwise; on a 2-core machine that halves
-throughput, so expman gives the engine every core unless the user set the variables. The engine runs in a
-spawned process: callers need an ``if __name__ == "__main__":`` guard (the stage scripts have one).
+throughput, so expman gives the engine every core unless the user set the variables. Generation and extraction
+engines run in spawned processes (callers need an ``if __name__ == "__main__":`` guard; the stage scripts have
+one); on CPU a benchmark arm's engine runs in the caller's process with a KV cache sized to its batch: two process
+spawns (each importing vLLM) and the default 4 GiB cache were most of a short arm's time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,11 +34,61 @@ EAGER = {"compilation_config": {"mode": 0}, "enforce_eager": True}
 """Engine settings without torch.compile (and without CUDA graphs)."""
 
 
+CPU_KV_CACHE = {"kv_cache_memory_bytes": 4 << 30}
+"""The KV cache of a generation or extraction engine on CPU (``VLLM_CPU_KVCACHE_SPACE``, when set, wins)."""
+
+
 def _cpu_defaults() -> None:
     cores = os.cpu_count() or 1
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{cores - 1}")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+
+
+@contextlib.contextmanager
+def _engine_core_in_process() -> Iterator[None]:
+    """Engines started inside run their core and worker in this process (vLLM's default spawns two processes).
+
+    vLLM reads ``VLLM_ENABLE_V1_MULTIPROCESSING`` when an engine starts, and an engine core that runs here freezes
+    vLLM's view of the environment: the variable is set for this block alone and that view is reset around it, so
+    a later engine (the hidden-state connector's, which must run spawned) starts as it would have."""
+    import vllm.envs
+
+    key = "VLLM_ENABLE_V1_MULTIPROCESSING"
+    before = os.environ.get(key)
+    os.environ[key] = "0"
+    vllm.envs.disable_envs_cache()
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[key]
+        else:
+            os.environ[key] = before
+        vllm.envs.disable_envs_cache()
+
+
+def _batch_kv_cache(
+    model_dir: Path, drafter_dir: Path | None, prompts: Sequence[Sequence[int]], new_tokens: int, dtype: str
+) -> dict[str, int]:
+    """``max_model_len`` and ``kv_cache_memory_bytes`` for one batch of ``prompts``: every request fits at once,
+    twice over, in whole 256-token blocks ({} for an attention without per-head keys and values, e.g. MLA)."""
+    from expman.drafter.checkpoint import read_checkpoint
+
+    config = json.loads((model_dir / "config.json").read_text())
+    config = config.get("text_config", config)
+    try:
+        kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        layers = config["num_hidden_layers"]
+    except KeyError:
+        return {}
+    if config.get("kv_lora_rank"):
+        return {}
+    if drafter_dir is not None:
+        layers += read_checkpoint(drafter_dir)[1].layer.get("num_hidden_layers", 1)
+    length = -(-(max(map(len, prompts)) + new_tokens) // 256) * 256
+    token_bytes = 2 * layers * kv_heads * head_dim * (4 if dtype == "float32" else 2)
+    return {"max_model_len": length, "kv_cache_memory_bytes": 2 * len(prompts) * length * token_bytes}
 
 
 class VllmGenerator:
@@ -50,8 +103,10 @@ class VllmGenerator:
         except ImportError:
             raise ExpmanError("generate.backend: vllm is not installed (pip install '.[engine]')") from None
         device = resolve_device(params.device)
+        cpu = {}
         if device == "cpu":
             _cpu_defaults()
+            cpu = CPU_KV_CACHE
         dtype = dtype_name(params.dtype, device)
         self.params = params
         whole_prefills = {}
@@ -71,6 +126,7 @@ class VllmGenerator:
             tensor_parallel_size=params.tensor_parallel_size,
             trust_remote_code=load_verifier_manifest(model_dir)["trust_remote_code"],
             **whole_prefills,
+            **cpu,
         )
 
     def close(self) -> None:
@@ -153,34 +209,46 @@ def run_vllm_arm(
     compile: bool,
 ) -> EngineArm:
     """Greedy generation of every prompt (token ids) in one batch; with ``drafter_dir``, EAGLE-3 speculation
-    with a chain of ``k``; without ``compile`` the engine runs eagerly. One warm-up request runs before the timed
-    batch; the engine is shut down after."""
-    import gc
-
+    with a chain of ``k``; without ``compile`` the engine runs eagerly."""
     try:
         import vllm
     except ImportError:
         raise ExpmanError("benchmark.engine: vllm is not installed (pip install '.[engine]')") from None
-    if device == "cpu":
-        _cpu_defaults()
     settings: dict[str, Any] = {
         "dtype": dtype,
         "seed": seed,
         "max_new_tokens": max_new_tokens,
         "batch": len(prompts),
         "compile": compile,
+        "engine_core": "in-process" if device == "cpu" else "spawned",
     }
     if drafter_dir is not None:
         settings["speculative_config"] = {"method": "eagle3", "model": str(drafter_dir), "num_speculative_tokens": k}
-    llm = vllm.LLM(
-        model=str(model_dir),
-        dtype=dtype,
-        seed=seed,
-        disable_log_stats=False,  # keeps the spec-decode counters get_metrics() reads
-        trust_remote_code=trust_remote_code,
-        speculative_config=settings.get("speculative_config"),
-        **({} if compile else EAGER),
-    )
+    cpu = {}
+    if device == "cpu":
+        _cpu_defaults()
+        cpu = _batch_kv_cache(model_dir, drafter_dir, prompts, max_new_tokens + k + 1, dtype)
+        settings.update(cpu)
+    with _engine_core_in_process() if device == "cpu" else contextlib.nullcontext():
+        engine = vllm.LLM(
+            model=str(model_dir),
+            dtype=dtype,
+            seed=seed,
+            disable_log_stats=False,  # keeps the spec-decode counters get_metrics() reads
+            trust_remote_code=trust_remote_code,
+            speculative_config=settings.get("speculative_config"),
+            **({} if compile else EAGER),
+            **cpu,
+        )
+        return _timed_batch(engine, prompts, max_new_tokens, settings)
+
+
+def _timed_batch(llm: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, settings: dict) -> EngineArm:
+    """One warm-up request, then every prompt greedy in one timed batch; the engine is shut down after."""
+    import gc
+
+    import vllm
+
     try:
         greedy = vllm.SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
         llm.generate([{"prompt_token_ids": list(prompts[0])}], vllm.SamplingParams(max_tokens=4), use_tqdm=False)
@@ -218,12 +286,12 @@ class VllmHiddenStates:
             import vllm
         except ImportError:
             raise ExpmanError("extract.backend: vllm is not installed (pip install '.[engine]')") from None
-        eager = {}
+        cpu = {}
         if device == "cpu":
             _cpu_defaults()
             # on CPU the compile warmup dominated this prefill-only workload: the default graph's extract stage took
             # 194 s with it (engine init 93 s) and 110 s without (init 1 s) on 2 cores in bf16 (README "Scaling out")
-            eager = EAGER
+            cpu = EAGER | CPU_KV_CACHE
         self.layer_ids = list(layer_ids)
         self.columns = [sorted(set(layer_ids)).index(i) for i in layer_ids]  # the engine stores ids ascending
         self.folder = tempfile.mkdtemp(prefix="expman-states-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
@@ -244,7 +312,7 @@ class VllmHiddenStates:
                 "kv_role": "kv_producer",
                 "kv_connector_extra_config": {"shared_storage_path": self.folder},
             },
-            **eager,
+            **cpu,
         )
 
     def states(self, prompts: Sequence[Sequence[int]]) -> list[Any]:
