@@ -86,6 +86,27 @@ def write_prompts(folder: Path, split: str, count: int) -> None:
     (folder / f"{split}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
+def real_smollm2_params(folder: Path, prompts: dict[str, int], **generate: object) -> dict:
+    """``folder`` as a project on the real SmolLM2: the first ``prompts[split]`` prompts of each split under
+    ``prompts/``, and the repository's params.yaml alone (the folder has no presets/) with ``generate`` keys set.
+    Returns the params to edit further; ``write_params`` saves and loads them."""
+    (folder / "prompts").mkdir()
+    for split, count in prompts.items():
+        write_prompts(folder / "prompts", split, count)
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params.pop("preset")
+    params["generate"].update(generate)
+    return params
+
+
+def write_params(params: dict, folder: Path = Path(".")):
+    """``params`` as the folder's params.yaml, validated (the loaded ``Params``)."""
+    from expman.params import load_params
+
+    (folder / "params.yaml").write_text(yaml.safe_dump(params))
+    return load_params(folder / "params.yaml")
+
+
 def tiny_params(source: str) -> dict:
     return {
         "prepare": {"source": source},

@@ -90,6 +90,22 @@ def test_benchmark_ks_must_have_been_evaluated(project: Path) -> None:
     assert not (project / paths.BENCHMARK).exists()
 
 
+def test_an_in_process_engine_leaves_vllm_s_environment_as_it_found_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The benchmark's arms run vLLM's engine core in this process; the hidden-state connector's engine after them
+    must still start spawned, so the switch is undone and vLLM's frozen view of the environment thrown away."""
+    pytest.importorskip("vllm")
+    import vllm.envs
+
+    from expman.engines.vllm import _engine_core_in_process
+
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    with _engine_core_in_process():
+        assert vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING is False
+        vllm.envs.enable_envs_cache()  # what an engine core started here does
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
+    assert vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING is True
+
+
 @pytest.fixture(scope="module")
 def smollm2_project(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The default recipe at a CI-sized scale, through evaluate: 64 train prompts, 8 held-out, k = 3."""

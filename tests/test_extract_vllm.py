@@ -7,17 +7,13 @@ import json
 from pathlib import Path
 
 import pytest
-import yaml
 
 from expman import paths
 from expman.data.extract import extract, load_shard
 from expman.data.generate import generate
 from expman.data.verifier import load_verifier_head, prepare
-from expman.params import load_params
 from expman.paths import ExtractPaths, GeneratePaths
-from tests.conftest import write_prompts
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.conftest import real_smollm2_params, write_params
 
 
 def _shards(manifest: dict) -> dict:
@@ -33,20 +29,17 @@ def test_vllm_states_match_transformers_on_smollm2(tmp_path: Path, monkeypatch: 
     import torch
 
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "prompts").mkdir()
-    write_prompts(tmp_path / "prompts", "train", 8)
-    params = yaml.safe_load((REPO / "params.yaml").read_text())
-    params.pop("preset")  # params.yaml alone: this folder has no presets/
     # the responses come from transformers: vLLM's compile warmup on CPU would outlast these 8 short ones
-    params["generate"].update(datasets=[{"path": "prompts/train.jsonl"}], max_new_tokens=48, backend="hf")
+    params = real_smollm2_params(
+        tmp_path, {"train": 8}, datasets=[{"path": "prompts/train.jsonl"}], max_new_tokens=48, backend="hf"
+    )
     manifests = {}
     for backend in ("hf", "vllm"):
         # fp32 (dtype auto is bf16 on a CPU with AVX512-BF16): in bf16 the two engines' kernels round differently,
         # min cosine 0.9965 at aux 15 measured on this test's tokens, which is what parity_min_cosine allows for
         section = {"backend": backend, "shard_dir": f"shards-{backend}", "samples_per_shard": 3, "dtype": "float32"}
         params["extract"].update(section)
-        Path("params.yaml").write_text(yaml.safe_dump(params))
-        loaded = load_params("params.yaml")
+        loaded = write_params(params)
         if backend == "hf":
             prepare(loaded, paths.VERIFIER)
             generate(loaded, GeneratePaths(paths.VERIFIER, paths.GENERATED))

@@ -17,7 +17,7 @@ from expman.data.self_prompts import DROP_REASONS, PromptFilter, user_turn_prefi
 from expman.data.verifier import prepare
 from expman.params import SelfPromptParams, load_params
 from expman.paths import GeneratePaths
-from tests.conftest import write_prompts as copy_prompts
+from tests.conftest import real_smollm2_params, write_params
 
 REPO = Path(__file__).resolve().parents[1]
 HELDOUT = [json.loads(line)["prompt"] for line in (REPO / "data/prompts/heldout.jsonl").read_text().splitlines()]
@@ -168,19 +168,15 @@ def test_smollm2_writes_prompts_through_vllm(tmp_path: Path, monkeypatch: pytest
     """The real verifier writes real user turns: most candidates pass, none is a held-out prompt's near copy."""
     pytest.importorskip("vllm")
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "prompts").mkdir()
-    copy_prompts(tmp_path / "prompts", "train", 4)
-    copy_prompts(tmp_path / "prompts", "heldout", 96)
-    params = yaml.safe_load((REPO / "params.yaml").read_text())
-    params.pop("preset")  # params.yaml alone: this folder has no presets/
-    params["generate"].update(
+    params = real_smollm2_params(
+        tmp_path,
+        {"train": 4, "heldout": 96},
         datasets=[{"path": "prompts/train.jsonl"}, {"path": "prompts/heldout.jsonl", "split": "heldout"}],
         max_new_tokens=16,
         backend="vllm",
         self_prompts={"count": 24, "max_candidates": 96},
     )
-    Path("params.yaml").write_text(yaml.safe_dump(params))
-    loaded = load_params("params.yaml")
+    loaded = write_params(params)
     prepare(loaded, paths.VERIFIER)
     generate(loaded, GeneratePaths.default())
     written = json.loads((tmp_path / paths.GENERATED / "manifest.json").read_text())["self_prompts"]

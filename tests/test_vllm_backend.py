@@ -6,33 +6,26 @@ import json
 from pathlib import Path
 
 import pytest
-import yaml
 
 from expman import paths
 from expman.data.generate import generate, read_responses
 from expman.data.verifier import prepare
-from expman.params import load_params
 from expman.paths import GeneratePaths
-from tests.conftest import write_prompts
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.conftest import real_smollm2_params, write_params
 
 
 @pytest.mark.slow
 def test_vllm_and_hf_backends_agree_on_smollm2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("vllm")
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "prompts").mkdir()
-    write_prompts(tmp_path / "prompts", "train", 6)
-    params = yaml.safe_load((REPO / "params.yaml").read_text())
-    params.pop("preset")  # params.yaml alone: this folder has no presets/
     # fp32: equal greedy tokens is an fp32 property; in bf16 the two engines' kernels flip near-ties apart
-    params["generate"].update(datasets=[{"path": "prompts/train.jsonl"}], max_new_tokens=48, dtype="float32")
+    params = real_smollm2_params(
+        tmp_path, {"train": 6}, datasets=[{"path": "prompts/train.jsonl"}], max_new_tokens=48, dtype="float32"
+    )
     outputs = {}
     for backend in ("hf", "vllm"):
         params["generate"]["backend"] = backend
-        Path("params.yaml").write_text(yaml.safe_dump(params))
-        loaded = load_params("params.yaml")
+        loaded = write_params(params)
         if backend == "hf":
             prepare(loaded, paths.VERIFIER)
         generate(loaded, GeneratePaths(paths.VERIFIER, paths.GENERATED / backend))
@@ -50,15 +43,15 @@ def test_vllm_sampled_responses_are_seeded_per_conversation(tmp_path: Path, monk
     samples exactly the same tokens, because every request carries its own seed."""
     pytest.importorskip("vllm")
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "prompts").mkdir()
-    write_prompts(tmp_path / "prompts", "train", 6)
-    params = yaml.safe_load((REPO / "params.yaml").read_text())
-    params.pop("preset")  # params.yaml alone: this folder has no presets/
-    params["generate"].update(
-        datasets=[{"path": "prompts/train.jsonl"}], max_new_tokens=32, backend="vllm", sampled_responses=1
+    params = real_smollm2_params(
+        tmp_path,
+        {"train": 6},
+        datasets=[{"path": "prompts/train.jsonl"}],
+        max_new_tokens=32,
+        backend="vllm",
+        sampled_responses=1,
     )
-    Path("params.yaml").write_text(yaml.safe_dump(params))
-    loaded = load_params("params.yaml")
+    loaded = write_params(params)
     prepare(loaded, paths.VERIFIER)
     runs = []
     for name in ("first", "second"):
