@@ -230,17 +230,21 @@ def run_vllm_arm(
         cpu = _batch_kv_cache(model_dir, drafter_dir, prompts, max_new_tokens + k + 1, dtype)
         settings.update(cpu)
     with _engine_core_in_process() if device == "cpu" else contextlib.nullcontext():
-        engine = vllm.LLM(
-            model=str(model_dir),
-            dtype=dtype,
-            seed=seed,
-            disable_log_stats=False,  # keeps the spec-decode counters get_metrics() reads
-            trust_remote_code=trust_remote_code,
-            speculative_config=settings.get("speculative_config"),
-            **({} if compile else EAGER),
-            **cpu,
+        return _timed_batch(
+            vllm.LLM(  # unnamed: _timed_batch holds the only reference and frees the engine after its batch
+                model=str(model_dir),
+                dtype=dtype,
+                seed=seed,
+                disable_log_stats=False,  # keeps the spec-decode counters get_metrics() reads
+                trust_remote_code=trust_remote_code,
+                speculative_config=settings.get("speculative_config"),
+                **({} if compile else EAGER),
+                **cpu,
+            ),
+            prompts,
+            max_new_tokens,
+            settings,
         )
-        return _timed_batch(engine, prompts, max_new_tokens, settings)
 
 
 def _timed_batch(llm: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, settings: dict) -> EngineArm:
