@@ -42,7 +42,8 @@ def _tiny_tokenizer(folder: Path) -> None:
     fast.save_pretrained(folder)
 
 
-def make_tiny_verifier(folder: Path, num_layers: int = 8, seed: int = 0) -> Path:
+def make_tiny_verifier(folder: Path, num_layers: int = 8, seed: int = 0, hidden_size: int = 32) -> Path:
+    """A random 4-head Llama with a small BPE tokenizer; vLLM CPU serves it from ``hidden_size`` 128 (head size 32)."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -50,7 +51,7 @@ def make_tiny_verifier(folder: Path, num_layers: int = 8, seed: int = 0) -> Path
     tokenizer = AutoTokenizer.from_pretrained(folder)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=32,
+        hidden_size=hidden_size,
         intermediate_size=64,
         num_hidden_layers=num_layers,
         num_attention_heads=4,

@@ -91,8 +91,8 @@ def test_benchmark_ks_must_have_been_evaluated(project: Path) -> None:
 
 
 def test_an_in_process_engine_leaves_vllm_s_environment_as_it_found_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The benchmark's arms run vLLM's engine core in this process; the hidden-state connector's engine after them
-    must still start spawned, so the switch is undone and vLLM's frozen view of the environment thrown away."""
+    """On CPU expman runs vLLM's engine core in this process; an engine started later elsewhere (a GPU's) must still
+    start spawned, so the switch is undone and vLLM's frozen view of the environment thrown away."""
     pytest.importorskip("vllm")
     import vllm.envs
 

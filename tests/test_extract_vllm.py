@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from expman.data.extract import extract, load_shard
 from expman.data.generate import generate
 from expman.data.verifier import load_verifier_head, prepare
 from expman.paths import ExtractPaths, GeneratePaths
-from tests.conftest import real_smollm2_params, write_params
+from tests.conftest import make_tiny_verifier, real_smollm2_params, tiny_params, write_params, write_prompts
 
 
 def _shards(manifest: dict) -> dict:
@@ -72,3 +73,40 @@ def test_vllm_states_match_transformers_on_smollm2(tmp_path: Path, monkeypatch: 
         picked = logits.gather(1, torch.stack([a["verifier_top1"][differ], b["verifier_top1"][differ]], 1).long())
         assert (picked[:, 0] - picked[:, 1]).abs().max() < 0.05, picked
     print(json.dumps({"tokens": len(a["input_ids"]), "top1_differ": len(differ), **measured}))
+
+
+@pytest.mark.slow
+def test_two_tensor_parallel_ranks_write_the_states_one_rank_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """extract.tensor_parallel_size 2 on CPU: vLLM shards the verifier over two worker processes of one core each
+    (SmolLM2's 9 heads do not split in two, so a random 4-head verifier with vLLM CPU's smallest head size)."""
+    pytest.importorskip("vllm")
+    import torch
+
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("two tensor-parallel ranks need two cores")
+    monkeypatch.chdir(tmp_path)
+    make_tiny_verifier(tmp_path / "tiny-verifier", hidden_size=128)
+    (tmp_path / "prompts").mkdir()
+    write_prompts(tmp_path / "prompts", "train", 8)
+    params = tiny_params("tiny-verifier")
+    params["generate"].update(datasets=[{"path": "prompts/train.jsonl", "split": "train"}], max_new_tokens=24)
+    shards = {}
+    for ranks in (1, 2):
+        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "")  # restored after the test; expman binds per rank
+        monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
+        section = {"backend": "vllm", "tensor_parallel_size": ranks, "dtype": "float32", "shard_dir": f"shards-{ranks}"}
+        params["extract"].update(section)
+        loaded = write_params(params)
+        if ranks == 1:
+            prepare(loaded, paths.VERIFIER)
+            generate(loaded, GeneratePaths(paths.VERIFIER, paths.GENERATED))
+        manifest = extract(loaded, ExtractPaths(paths.VERIFIER, paths.GENERATED, Path(f"extract-{ranks}")))
+        shards[ranks] = _shards(manifest)
+    one, two = shards[1], shards[2]
+    assert torch.equal(one["input_ids"], two["input_ids"]) and len(one["input_ids"]) > 100
+    for key in ("aux_hidden_states", "final_hidden_states"):
+        x, y = one[key].float(), two[key].float()
+        assert torch.nn.functional.cosine_similarity(x, y, dim=-1).min() > 0.9999, key
+    assert (one["verifier_top1"] == two["verifier_top1"]).float().mean() > 0.99

@@ -400,9 +400,11 @@ def _totals(entries: list[dict], samples: list[dict], records: list[dict], hidde
 
 
 @contextlib.contextmanager
-def _shard_computer(section: ExtractParams, contract: dict[str, Any], where: ExtractPaths, device: str) -> Iterator:
+def _shard_computer(
+    section: ExtractParams, contract: dict[str, Any], where: ExtractPaths, device: str, longest: int
+) -> Iterator:
     """A shard's samples -> its tensors, by ``extract.backend``; the verifier (or engine) loads on the first shard
-    that needs computing and is released when the stage ends."""
+    that needs computing and is released when the stage ends. ``longest``: the most tokens of any sample."""
     from expman.data.verifier import load_verifier, load_verifier_head, load_verifier_manifest
     from expman.devices import resolve_dtype
 
@@ -427,6 +429,7 @@ def _shard_computer(section: ExtractParams, contract: dict[str, Any], where: Ext
                 str(dtype).removeprefix("torch."),
                 section.tensor_parallel_size,
                 load_verifier_manifest(where.verifier)["trust_remote_code"],
+                longest,
             )
             loaded.extend([engine, head])
         return engine_shard(loaded[0], loaded[1], chunk, section.final_state)
@@ -462,7 +465,7 @@ def extract(params: Params, where: ExtractPaths) -> dict[str, Any]:
     precision = precision_facts(device, section.dtype)
     with (
         stage_run("extract", section.model_dump() | {"resolved": precision}, upstream) as run,
-        _shard_computer(section, contract, where, device) as compute,
+        _shard_computer(section, contract, where, device, max(len(s["ids"]) for s in samples)) as compute,
     ):
         started = time.perf_counter()
         total_tokens = sum(len(s["ids"]) for s in samples)

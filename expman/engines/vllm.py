@@ -3,10 +3,11 @@ verifier's hidden states for the extract stage (vLLM's ``extract_hidden_states``
 benchmark stage (no speculation, or EAGLE-3 with a drafter folder and k draft tokens).
 
 On CPU, vLLM reserves one core for its front end unless told otherwise; on a 2-core machine that halves
-throughput, so expman gives the engine every core unless the user set the variables. Generation and extraction
-engines run in spawned processes (callers need an ``if __name__ == "__main__":`` guard; the stage scripts have
-one); on CPU a benchmark arm's engine runs in the caller's process with a KV cache sized to its batch: two process
-spawns (each importing vLLM) and the default 4 GiB cache were most of a short arm's time.
+throughput, so expman gives the engine every core unless the user set the variables. On CPU every engine runs its
+core in the caller's process (vLLM's default spawns two processes that each import vLLM), and the extraction and
+benchmark engines get a KV cache sized to their prompts instead of vLLM CPU's 4 GiB: those spawns and that cache
+were most of a short engine run's time. Elsewhere engines run spawned (callers need an
+``if __name__ == "__main__":`` guard; the stage scripts have one).
 """
 
 from __future__ import annotations
@@ -35,13 +36,25 @@ EAGER = {"compilation_config": {"mode": 0}, "enforce_eager": True}
 
 
 CPU_KV_CACHE = {"kv_cache_memory_bytes": 4 << 30}
-"""The KV cache of a generation or extraction engine on CPU (``VLLM_CPU_KVCACHE_SPACE``, when set, wins)."""
+"""The KV cache of a generation engine on CPU (``VLLM_CPU_KVCACHE_SPACE``, when set, wins)."""
+
+DRAIN_STEPS = 16
+"""Engine steps allowed for writing out the last finished requests' states (one is enough in vLLM 0.32)."""
+
+PREFILL_STEP_TOKENS = 8192
+"""Prompt tokens per engine step when extracting states on CPU."""
 
 
-def _cpu_defaults() -> None:
+def _cpu_defaults(ranks: int = 1) -> None:
+    """Every core to the engine, split evenly among its ``ranks`` (tensor-parallel workers): vLLM CPU wants one
+    core list per rank in ``VLLM_CPU_OMP_THREADS_BIND``, separated by ``|``."""
     cores = os.cpu_count() or 1
+    if ranks > cores:
+        raise ExpmanError(f"tensor_parallel_size {ranks} needs {ranks} cores on CPU; this machine has {cores}")
+    each = cores // ranks
+    groups = [f"{rank * each}-{(rank + 1) * each - 1}" for rank in range(ranks)]
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{cores - 1}")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(groups))
 
 
 @contextlib.contextmanager
@@ -50,7 +63,7 @@ def _engine_core_in_process() -> Iterator[None]:
 
     vLLM reads ``VLLM_ENABLE_V1_MULTIPROCESSING`` when an engine starts, and an engine core that runs here freezes
     vLLM's view of the environment: the variable is set for this block alone and that view is reset around it, so
-    a later engine (the hidden-state connector's, which must run spawned) starts as it would have."""
+    a later engine (e.g. one on a GPU, which stays spawned) starts as it would have."""
     import vllm.envs
 
     key = "VLLM_ENABLE_V1_MULTIPROCESSING"
@@ -67,11 +80,9 @@ def _engine_core_in_process() -> Iterator[None]:
         vllm.envs.disable_envs_cache()
 
 
-def _batch_kv_cache(
-    model_dir: Path, drafter_dir: Path | None, prompts: Sequence[Sequence[int]], new_tokens: int, dtype: str
-) -> dict[str, int]:
-    """``max_model_len`` and ``kv_cache_memory_bytes`` for one batch of ``prompts``: every request fits at once,
-    twice over, in whole 256-token blocks ({} for an attention without per-head keys and values, e.g. MLA)."""
+def _kv_token_bytes(model_dir: Path, drafter_dir: Path | None, dtype: str) -> int | None:
+    """KV-cache bytes per token of the verifier (and the drafter's layers), None for an attention without per-head
+    keys and values (e.g. MLA), whose cache is left to vLLM."""
     from expman.drafter.checkpoint import read_checkpoint
 
     config = json.loads((model_dir / "config.json").read_text())
@@ -81,14 +92,52 @@ def _batch_kv_cache(
         head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
         layers = config["num_hidden_layers"]
     except KeyError:
-        return {}
+        return None
     if config.get("kv_lora_rank"):
-        return {}
+        return None
     if drafter_dir is not None:
         layers += read_checkpoint(drafter_dir)[1].layer.get("num_hidden_layers", 1)
-    length = -(-(max(map(len, prompts)) + new_tokens) // 256) * 256
-    token_bytes = 2 * layers * kv_heads * head_dim * (4 if dtype == "float32" else 2)
+    return 2 * layers * kv_heads * head_dim * _dtype_bytes(dtype)
+
+
+def _dtype_bytes(dtype: str) -> int:
+    return 4 if dtype == "float32" else 2
+
+
+def _blocks(tokens: int) -> int:
+    """``tokens`` rounded up to whole 256-token blocks."""
+    return -(-tokens // 256) * 256
+
+
+def _batch_kv_cache(
+    model_dir: Path, drafter_dir: Path | None, prompts: Sequence[Sequence[int]], new_tokens: int, dtype: str
+) -> dict[str, int]:
+    """``max_model_len`` and ``kv_cache_memory_bytes`` for one batch of ``prompts``: every request fits at once,
+    twice over, in whole 256-token blocks ({} for MLA)."""
+    token_bytes = _kv_token_bytes(model_dir, drafter_dir, dtype)
+    if token_bytes is None:
+        return {}
+    length = _blocks(max(map(len, prompts)) + new_tokens)
     return {"max_model_len": length, "kv_cache_memory_bytes": 2 * len(prompts) * length * token_bytes}
+
+
+def _prefill_kv_cache(model_dir: Path, layer_ids: Sequence[int], max_prompt_tokens: int, dtype: str) -> dict:
+    """``max_model_len``, the prefill budget per step and ``kv_cache_memory_bytes`` for prefill-only requests of at
+    most ``max_prompt_tokens``: the verifier's cache plus the captured states, for two steps' worth of prompts (a
+    finished request's blocks are freed one step later, once its states are written), twice over ({} for MLA)."""
+    token_bytes = _kv_token_bytes(model_dir, None, dtype)
+    if token_bytes is None:
+        return {}
+    config = json.loads((model_dir / "config.json").read_text())
+    hidden = config.get("text_config", config)["hidden_size"]
+    length = _blocks(max_prompt_tokens + 1)
+    step_tokens = max(length, PREFILL_STEP_TOKENS)
+    token_bytes += len(layer_ids) * hidden * _dtype_bytes(dtype)
+    return {
+        "max_model_len": length,
+        "max_num_batched_tokens": step_tokens,
+        "kv_cache_memory_bytes": 2 * 2 * (step_tokens + length) * token_bytes,
+    }
 
 
 class VllmGenerator:
@@ -105,7 +154,7 @@ class VllmGenerator:
         device = resolve_device(params.device)
         cpu = {}
         if device == "cpu":
-            _cpu_defaults()
+            _cpu_defaults(params.tensor_parallel_size)
             cpu = CPU_KV_CACHE
         dtype = dtype_name(params.dtype, device)
         self.params = params
@@ -119,15 +168,16 @@ class VllmGenerator:
                 "max_model_len": length,
                 "max_num_batched_tokens": length,
             }
-        self.llm = vllm.LLM(
-            model=str(model_dir),
-            dtype=dtype,
-            seed=params.seed,
-            tensor_parallel_size=params.tensor_parallel_size,
-            trust_remote_code=load_verifier_manifest(model_dir)["trust_remote_code"],
-            **whole_prefills,
-            **cpu,
-        )
+        with _engine_core_in_process() if device == "cpu" else contextlib.nullcontext():
+            self.llm = vllm.LLM(
+                model=str(model_dir),
+                dtype=dtype,
+                seed=params.seed,
+                tensor_parallel_size=params.tensor_parallel_size,
+                trust_remote_code=load_verifier_manifest(model_dir)["trust_remote_code"],
+                **whole_prefills,
+                **cpu,
+            )
 
     def close(self) -> None:
         """Stop the engine core now, not in interpreter teardown (where its logging fails noisily)."""
@@ -285,6 +335,7 @@ class VllmHiddenStates:
         dtype: str,
         tensor_parallel_size: int,
         trust_remote_code: bool,
+        max_prompt_tokens: int,
     ):
         try:
             import vllm
@@ -292,32 +343,33 @@ class VllmHiddenStates:
             raise ExpmanError("extract.backend: vllm is not installed (pip install '.[engine]')") from None
         cpu = {}
         if device == "cpu":
-            _cpu_defaults()
+            _cpu_defaults(tensor_parallel_size)
             # on CPU the compile warmup dominated this prefill-only workload: the default graph's extract stage took
             # 194 s with it (engine init 93 s) and 110 s without (init 1 s) on 2 cores in bf16 (README "Scaling out")
-            cpu = EAGER | CPU_KV_CACHE
+            cpu = EAGER | _prefill_kv_cache(model_dir, layer_ids, max_prompt_tokens, dtype)
         self.layer_ids = list(layer_ids)
         self.columns = [sorted(set(layer_ids)).index(i) for i in layer_ids]  # the engine stores ids ascending
         self.folder = tempfile.mkdtemp(prefix="expman-states-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
-        self.llm = vllm.LLM(
-            model=str(model_dir),
-            dtype=dtype,
-            tensor_parallel_size=tensor_parallel_size,
-            trust_remote_code=trust_remote_code,
-            enable_prefix_caching=False,
-            speculative_config={
-                "method": "extract_hidden_states",
-                "num_speculative_tokens": 1,
-                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": self.layer_ids}},
-            },
-            kv_transfer_config={
-                "kv_connector": "HiddenStatesFileConnector",
-                "kv_connector_module_path": __name__,
-                "kv_role": "kv_producer",
-                "kv_connector_extra_config": {"shared_storage_path": self.folder},
-            },
-            **cpu,
-        )
+        with _engine_core_in_process() if device == "cpu" else contextlib.nullcontext():
+            self.llm = vllm.LLM(
+                model=str(model_dir),
+                dtype=dtype,
+                tensor_parallel_size=tensor_parallel_size,
+                trust_remote_code=trust_remote_code,
+                enable_prefix_caching=False,
+                speculative_config={
+                    "method": "extract_hidden_states",
+                    "num_speculative_tokens": 1,
+                    "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": self.layer_ids}},
+                },
+                kv_transfer_config={
+                    "kv_connector": "HiddenStatesFileConnector",
+                    "kv_connector_module_path": __name__,
+                    "kv_role": "kv_producer",
+                    "kv_connector_extra_config": {"shared_storage_path": self.folder},
+                },
+                **cpu,
+            )
 
     def states(self, prompts: Sequence[Sequence[int]]) -> list[Any]:
         """One [T, len(layer_ids), H] tensor per prompt, the ids in ``layer_ids`` order, in the engine's dtype."""
@@ -329,6 +381,7 @@ class VllmHiddenStates:
 
         requests = [{"prompt_token_ids": list(p)} for p in prompts]
         outputs = self.llm.generate(requests, vllm.SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+        self._drain_saves()
         states = []
         for prompt, output in zip(prompts, outputs, strict=True):
             path = output.kv_transfer_params["hidden_states_path"]
@@ -338,6 +391,17 @@ class VllmHiddenStates:
                 raise ExpmanError(f"vLLM hidden states: {path} holds other token ids than its request's")
             states.append(saved["hidden_states"][:, self.columns])
         return states
+
+    def _drain_saves(self) -> None:
+        """An engine core in this process steps only while ``generate`` waits for outputs, but the connector writes
+        the states of the requests that finished in the last step during the step after it (the scheduler hands
+        them over as that step's metadata): run those steps here. A spawned engine core runs them by itself."""
+        core = getattr(self.llm.llm_engine.engine_core, "engine_core", None)  # set for an in-process core only
+        for _ in range(DRAIN_STEPS):
+            if core is None or not core.scheduler.has_requests():
+                return
+            self.llm.llm_engine.step()
+        raise ExpmanError(f"vLLM hidden states: the engine still holds finished requests after {DRAIN_STEPS} steps")
 
     def close(self) -> None:
         _shutdown(self.llm)

@@ -83,7 +83,7 @@ def served_state_parity(
         return results
     final = next(iter(checked.values()))[1]["final_layer"]
     ids = sorted({i for served, _ in checked.values() for i in served} | {final})
-    engine = VllmHiddenStates(verifier_dir, ids, device, dtype, 1, trust_remote_code)
+    engine = VllmHiddenStates(verifier_dir, ids, device, dtype, 1, trust_remote_code, max(map(len, prompts)))
     try:
         captured = torch.cat(engine.states(prompts)).float()
     finally:
