@@ -210,6 +210,9 @@ class ExtractParams(Section):
     method), with ``tensor_parallel_size`` GPUs for a verifier that needs several (``pip install '.[engine]'``)."""
     tensor_parallel_size: PositiveInt = 1
     """vllm backend only: GPUs vLLM shards the verifier over (all of them compute at once, unlike ``gpus``)."""
+    expert_parallel: bool = False
+    """vllm backend only: a mixture-of-experts verifier's experts spread whole over the ranks instead of each one
+    split (vLLM's ``enable_expert_parallel``); on GPUs: vLLM CPU 0.32's fused-MoE kernel crashes with it."""
 
     @field_validator("aux_layers")
     @classmethod
@@ -230,6 +233,15 @@ class ExtractParams(Section):
     def _gpus_need_cuda(cls, value: int, info: ValidationInfo) -> int:
         if value > 1 and info.data.get("device") == "cpu":
             raise ValueError(f"{value} GPUs need extract.device cuda or auto, not cpu")
+        return value
+
+    @field_validator("expert_parallel")
+    @classmethod
+    def _experts_need_vllm_on_gpus(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("backend") != "vllm":
+            raise ValueError("expert_parallel needs extract.backend vllm")
+        if value and info.data.get("device") == "cpu":
+            raise ValueError("expert_parallel needs GPUs: vLLM CPU 0.32's fused-MoE kernel crashes with it")
         return value
 
 

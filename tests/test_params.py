@@ -76,6 +76,7 @@ BAD = [
         2,
         "extract.tensor_parallel_size: tensor_parallel_size 2 needs extract.backend vllm",
     ),
+    ("extract.expert_parallel", True, "extract.expert_parallel: expert_parallel needs extract.backend vllm"),
 ]
 
 
@@ -93,6 +94,14 @@ def test_bad_value_names_its_key(project: Path, key: str, value: object, expecte
     assert expected in message
     assert "\n" not in message
     assert sorted(p.name for p in project.iterdir()) == before
+
+
+def test_expert_parallel_on_cpu_is_refused(project: Path) -> None:
+    data = yaml.safe_load((project / "params.yaml").read_text())
+    data["extract"] |= {"device": "cpu", "backend": "vllm", "expert_parallel": True}
+    (project / "bad.yaml").write_text(yaml.safe_dump(data))
+    with pytest.raises(ExpmanError, match="^bad.yaml: extract.expert_parallel: expert_parallel needs GPUs: vLLM CPU"):
+        load_params("bad.yaml")
 
 
 def test_extract_over_several_gpus_on_cpu_is_refused(project: Path) -> None:

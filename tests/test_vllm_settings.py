@@ -60,3 +60,12 @@ def test_the_user_s_binding_wins_and_too_many_ranks_are_refused(monkeypatch: pyt
     assert engine.os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "1|0"
     with pytest.raises(ExpmanError, match=r"^tensor_parallel_size 4 needs 4 cores on CPU; this machine has 2$"):
         engine._cpu_defaults(4)
+
+
+def test_expert_parallel_is_refused_on_cpu_before_the_engine_starts(tmp_path: Path) -> None:
+    """``device: auto`` on a machine without GPUs gets past the params check; the engine refuses before it starts
+    (vLLM CPU 0.32 segfaults in its fused-MoE kernel with expert parallel: measured on a random Qwen3-MoE)."""
+    pytest.importorskip("vllm")
+    with pytest.raises(ExpmanError, match=r"^extract.expert_parallel needs GPUs"):
+        engine.VllmHiddenStates(_verifier(tmp_path, LLAMA), [1, 2, 3, 3], "cpu", "float32", 2, False, 100, True)
+    assert not list(tmp_path.glob("expman-states-*"))

@@ -430,6 +430,7 @@ def _shard_computer(
                 section.tensor_parallel_size,
                 load_verifier_manifest(where.verifier)["trust_remote_code"],
                 longest,
+                section.expert_parallel,
             )
             loaded.extend([engine, head])
         return engine_shard(loaded[0], loaded[1], chunk, section.final_state)

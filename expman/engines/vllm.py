@@ -336,6 +336,7 @@ class VllmHiddenStates:
         tensor_parallel_size: int,
         trust_remote_code: bool,
         max_prompt_tokens: int,
+        expert_parallel: bool = False,
     ):
         try:
             import vllm
@@ -343,6 +344,8 @@ class VllmHiddenStates:
             raise ExpmanError("extract.backend: vllm is not installed (pip install '.[engine]')") from None
         cpu = {}
         if device == "cpu":
+            if expert_parallel:  # measured: a segfault in csrc/cpu/cpu_fused_moe.cpp, Qwen3-MoE with 2 ranks
+                raise ExpmanError("extract.expert_parallel needs GPUs: vLLM CPU 0.32's fused-MoE kernel crashes on it")
             _cpu_defaults(tensor_parallel_size)
             # on CPU the compile warmup dominated this prefill-only workload: the default graph's extract stage took
             # 194 s with it (engine init 93 s) and 110 s without (init 1 s) on 2 cores in bf16 (README "Scaling out")
@@ -355,6 +358,7 @@ class VllmHiddenStates:
                 model=str(model_dir),
                 dtype=dtype,
                 tensor_parallel_size=tensor_parallel_size,
+                enable_expert_parallel=expert_parallel,
                 trust_remote_code=trust_remote_code,
                 enable_prefix_caching=False,
                 speculative_config={
