@@ -69,3 +69,14 @@ def test_expert_parallel_is_refused_on_cpu_before_the_engine_starts(tmp_path: Pa
     with pytest.raises(ExpmanError, match=r"^extract.expert_parallel needs GPUs"):
         engine.VllmHiddenStates(_verifier(tmp_path, LLAMA), [1, 2, 3, 3], "cpu", "float32", 2, False, 100, True)
     assert not list(tmp_path.glob("expman-states-*"))
+
+
+def test_an_engine_that_does_not_start_leaves_no_states_folder(tmp_path: Path) -> None:
+    pytest.importorskip("vllm")
+    import tempfile
+
+    shared = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    before = set(shared.glob("expman-states-*"))
+    with pytest.raises(Exception, match="model_type|architectures|Unrecognized|config"):  # a config.json without them
+        engine.VllmHiddenStates(_verifier(tmp_path, LLAMA), [1, 2, 3, 3], "cpu", "float32", 1, False, 100)
+    assert set(shared.glob("expman-states-*")) == before

@@ -59,7 +59,8 @@ def _cpu_defaults(ranks: int = 1) -> None:
 
 @contextlib.contextmanager
 def _engine_core_in_process() -> Iterator[None]:
-    """Engines started inside run their core and worker in this process (vLLM's default spawns two processes).
+    """Engines started inside run their core (and, with one rank, their worker) in this process; vLLM's default
+    spawns both.
 
     vLLM reads ``VLLM_ENABLE_V1_MULTIPROCESSING`` when an engine starts, and an engine core that runs here freezes
     vLLM's view of the environment: the variable is set for this block alone and that view is reset around it, so
@@ -353,27 +354,31 @@ class VllmHiddenStates:
         self.layer_ids = list(layer_ids)
         self.columns = [sorted(set(layer_ids)).index(i) for i in layer_ids]  # the engine stores ids ascending
         self.folder = tempfile.mkdtemp(prefix="expman-states-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
-        with _engine_core_in_process() if device == "cpu" else contextlib.nullcontext():
-            self.llm = vllm.LLM(
-                model=str(model_dir),
-                dtype=dtype,
-                tensor_parallel_size=tensor_parallel_size,
-                enable_expert_parallel=expert_parallel,
-                trust_remote_code=trust_remote_code,
-                enable_prefix_caching=False,
-                speculative_config={
-                    "method": "extract_hidden_states",
-                    "num_speculative_tokens": 1,
-                    "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": self.layer_ids}},
-                },
-                kv_transfer_config={
-                    "kv_connector": "HiddenStatesFileConnector",
-                    "kv_connector_module_path": __name__,
-                    "kv_role": "kv_producer",
-                    "kv_connector_extra_config": {"shared_storage_path": self.folder},
-                },
-                **cpu,
-            )
+        try:
+            with _engine_core_in_process() if device == "cpu" else contextlib.nullcontext():
+                self.llm = vllm.LLM(
+                    model=str(model_dir),
+                    dtype=dtype,
+                    tensor_parallel_size=tensor_parallel_size,
+                    enable_expert_parallel=expert_parallel,
+                    trust_remote_code=trust_remote_code,
+                    enable_prefix_caching=False,
+                    speculative_config={
+                        "method": "extract_hidden_states",
+                        "num_speculative_tokens": 1,
+                        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": self.layer_ids}},
+                    },
+                    kv_transfer_config={
+                        "kv_connector": "HiddenStatesFileConnector",
+                        "kv_connector_module_path": __name__,
+                        "kv_role": "kv_producer",
+                        "kv_connector_extra_config": {"shared_storage_path": self.folder},
+                    },
+                    **cpu,
+                )
+        except BaseException:
+            shutil.rmtree(self.folder, ignore_errors=True)  # an engine that did not start leaves nothing
+            raise
 
     def states(self, prompts: Sequence[Sequence[int]]) -> list[Any]:
         """One [T, len(layer_ids), H] tensor per prompt, the ids in ``layer_ids`` order, in the engine's dtype."""
