@@ -146,6 +146,10 @@ class SelfPromptParams(Section):
     of a held-out prompt at which a candidate is a near copy of it)."""
     seed: int = 0
     category: str = "self"
+    """The category written prompts are filed under (``<category>-<shipped category>`` with ``examples``)."""
+    examples: int = Field(default=0, ge=0, le=16)
+    """Shipped train prompts of one category shown as earlier user turns before each candidate (the categories in
+    turn), so the written prompts follow the shipped categories; 0 = the bare user-turn prefix."""
 
 
 class GenerateParams(Section):

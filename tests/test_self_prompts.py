@@ -13,8 +13,9 @@ import yaml
 from expman import paths
 from expman.data.backend import GenOutput
 from expman.data.generate import generate, read_responses
-from expman.data.self_prompts import DROP_REASONS, PromptFilter, user_turn_prefix, write_prompts
+from expman.data.self_prompts import DROP_REASONS, PromptFilter, WritingContexts, user_turn_prefix, write_prompts
 from expman.data.verifier import prepare
+from expman.errors import ExpmanError
 from expman.params import SelfPromptParams, load_params
 from expman.paths import GeneratePaths
 from tests.conftest import real_smollm2_params, write_params
@@ -86,8 +87,10 @@ def test_write_prompts_counts_every_candidate_and_stops_at_count() -> None:
         "Never reached",
     ]
     settings = SelfPromptParams(count=3, max_candidates=10)
-    report = write_prompts(ScriptedEngine(texts), [1, 2], PromptFilter(settings, HELDOUT), batch_size=6)
+    contexts = lambda i: ([1, 2], f"c{i}")  # noqa: E731
+    report = write_prompts(ScriptedEngine(texts), contexts, PromptFilter(settings, HELDOUT), batch_size=6)
     assert report.prompts == [texts[1], texts[4], texts[5]]
+    assert report.categories == ["c1", "c4", "c5"]
     assert report.candidates == 6
     assert report.dropped == {**dict.fromkeys(DROP_REASONS, 0), "heldout_near_copy": 1, "near_duplicate": 1, "empty": 1}
 
@@ -98,6 +101,26 @@ def test_user_turn_prefix_is_what_the_template_puts_before_a_user_message(projec
     tokenizer = AutoTokenizer.from_pretrained(project / "tiny-verifier")
     prefix = user_turn_prefix(tokenizer, {})
     assert tokenizer.decode(prefix) == "<|im_start|>user\n"
+
+
+def test_examples_are_shipped_prompts_of_one_category_taken_in_turn(project: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(project / "tiny-verifier")
+    shipped = {"math": ["What is 7 times 8?", "Is 91 prime?", "Halve 3/4."], "writing": ["Write a haiku about rain."]}
+    contexts = WritingContexts(tokenizer, {}, SelfPromptParams(examples=2, seed=5), shipped)
+    written = [contexts(i) for i in range(4)]
+    assert [category for _, category in written] == ["self-math", "self-writing", "self-math", "self-writing"]
+    first = tokenizer.decode(written[0][0])
+    shown = [p for p in shipped["math"] if p in first]
+    assert len(shown) == 2 and first.endswith("<|im_start|>user\n") and first.count("<|im_start|>user") == 3
+    assert first.count("<|im_start|>assistant\nSure.<|im_end|>") == 2
+    assert tokenizer.decode(written[1][0]).count("<|im_start|>user") == 2  # the one prompt a category has
+    assert contexts(0) == written[0] and contexts(2) != written[0]  # seeded by the candidate's index
+    bare = WritingContexts(tokenizer, {}, SelfPromptParams(), shipped)
+    assert bare(3) == (user_turn_prefix(tokenizer, {}), "self")
+    with pytest.raises(ExpmanError, match="generate.self_prompts.examples: no train prompt"):
+        WritingContexts(tokenizer, {}, SelfPromptParams(examples=2), {})
 
 
 def teach_user_turns(folder: Path, steps: int = 200) -> None:
@@ -127,7 +150,7 @@ def teach_user_turns(folder: Path, steps: int = 200) -> None:
 def test_generate_answers_the_prompts_it_wrote_and_records_what_it_dropped(project: Path) -> None:
     teach_user_turns(project / "tiny-verifier")
     params = yaml.safe_load((project / "params.yaml").read_text())
-    params["generate"]["self_prompts"] = {"count": 3, "max_candidates": 64, "max_tokens": 64}
+    params["generate"]["self_prompts"] = {"count": 3, "max_candidates": 64, "max_tokens": 64, "examples": 2}
     (project / "params.yaml").write_text(yaml.safe_dump(params))
     loaded = load_params("params.yaml")
     prepare(loaded, paths.VERIFIER)
@@ -138,8 +161,11 @@ def test_generate_answers_the_prompts_it_wrote_and_records_what_it_dropped(proje
     assert set(written["dropped"]) == set(DROP_REASONS)
     assert written["kept"] == 3
     assert written["kept"] + sum(written["dropped"].values()) == written["candidates"]
+    shipped = {json.loads(line)["category"] for line in (project / "prompts/train.jsonl").read_text().splitlines()}
+    assert sum(written["kept_by_category"].values()) == 3
+    assert {c.removeprefix("self-") for c in written["kept_by_category"]} <= shipped
     records = read_responses(project / paths.GENERATED, "train")
-    self_written = [r for r in records if r["category"] == "self"]
+    self_written = [r for r in records if r["id"].startswith("self-")]
     assert len(self_written) == 3 and len(records) == 13
     heldout = [r["messages"][-2]["content"] for r in read_responses(project / paths.GENERATED, "heldout")]
     guard = PromptFilter(SelfPromptParams(), heldout)

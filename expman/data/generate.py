@@ -166,20 +166,22 @@ def _self_prompts(
     their plan is unchanged); return the backend, if one had to be started, and the prompts' manifest entry."""
     import torch
 
-    from expman.data.self_prompts import PromptFilter, user_turn_prefix, write_prompts
+    from expman.data.self_prompts import PromptFilter, WritingContexts, write_prompts
     from expman.data.verifier import load_tokenizer
 
     wanted = section.self_prompts
     heldout = [turn for c in conversations.get("heldout", []) for turn in c.user_turns]
     known = [turn for c in conversations.get("train", []) for turn in c.user_turns]
-    tokenizer = load_tokenizer(verifier_dir)
-    prefix = user_turn_prefix(tokenizer, section.chat_template_kwargs)
+    shipped: dict[str, list[str]] = {}
+    for conversation in conversations.get("train", []):
+        shipped.setdefault(conversation.category, []).append(conversation.user_turns[0])
+    contexts = WritingContexts(load_tokenizer(verifier_dir), section.chat_template_kwargs, wanted, shipped)
     shards = ShardSet(out_dir / "self_prompts")
     key = sha256_json(
         {
             "settings": {**settings, "backend": section.backend, "device": section.device},
             "self_prompts": wanted.model_dump(),
-            "prefix": prefix,
+            "prefix": contexts(0)[0],
             "heldout": heldout,
             "known": known,
         }
@@ -190,9 +192,9 @@ def _self_prompts(
     if entry is None:
         backend = _make_backend(verifier_dir, section)
         torch.manual_seed(wanted.seed)  # the hf backend samples from the global generator
-        report = write_prompts(backend, prefix, PromptFilter(wanted, heldout, known), section.batch_size)
-        numbered = enumerate(report.prompts)
-        lines = [{"id": f"self-{i:06d}", "category": wanted.category, "prompt": p} for i, p in numbered]
+        report = write_prompts(backend, contexts, PromptFilter(wanted, heldout, known), section.batch_size)
+        numbered = enumerate(zip(report.prompts, report.categories, strict=True))
+        lines = [{"id": f"self-{i:06d}", "category": c, "prompt": p} for i, (p, c) in numbered]
         entry = shards.write(name, key, _write_jsonl(lines), **report.facts(wanted))
     shards.remove_others({name})
     path = verify_shard(shards.folder, entry)

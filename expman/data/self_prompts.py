@@ -6,21 +6,26 @@ verifier's own distribution, with no dataset to download. Candidates then pass f
 not text, refusals), exact and near-duplicate removal (MinHash LSH over character 5-grams, from datasketch), and
 a guard that no held-out prompt, nor a near copy of one, enters training (exact Jaccard and containment against
 every held-out turn, not a probabilistic index). The report counts what each filter dropped.
+
+With ``examples`` > 0 the verifier first sees a few shipped train prompts of one category as earlier user turns
+(in-context Magpie): the turn it then writes follows that category, so the written prompts move toward the shipped
+prompts' categories (and the held-out set's, which shares them) without a held-out prompt in sight.
 """
 
 from __future__ import annotations
 
+import random
 import re
 import unicodedata
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from expman.errors import ExpmanError
 from expman.params import SelfPromptParams
 
-__all__ = ["DROP_REASONS", "PromptFilter", "SelfPromptReport", "user_turn_prefix", "write_prompts"]
+__all__ = ["DROP_REASONS", "PromptFilter", "SelfPromptReport", "WritingContexts", "user_turn_prefix", "write_prompts"]
 
 DROP_REASONS = (
     "empty",
@@ -35,6 +40,9 @@ DROP_REASONS = (
 SHINGLE = 5
 MINHASH_PERMUTATIONS = 128
 SENTINEL = "\x00expman-user-turn\x00"
+EXAMPLE_REPLY = "Sure."
+"""The assistant turn after each example: templates that insist on alternating roles (Llama 2's, Mistral's) raise on
+two user turns in a row, and a short reply keeps the verifier's attention on the user turns."""
 REFUSAL = re.compile(
     r"\b(i'?m sorry|i am sorry|i apologi[sz]e|i can(?:'|no)t (?:help|assist|answer|provide)|i'?m unable|"
     r"i am unable|as an ai\b|as a language model)",
@@ -43,15 +51,52 @@ REFUSAL = re.compile(
 CHARACTERS_OF_TEXT = {"L", "N", "P", "Z", "S"}  # letters, numbers, punctuation, separators, symbols
 
 
-def user_turn_prefix(tokenizer: Any, chat_template_kwargs: dict[str, Any]) -> list[int]:
-    """The token ids the chat template puts before a user's message (its default system turn included): render a
-    conversation whose one user message is a sentinel and keep what precedes it."""
+def user_turn_prefix(tokenizer: Any, chat_template_kwargs: dict[str, Any], examples: Sequence[str] = ()) -> list[int]:
+    """The token ids the chat template puts before a user's message (its default system turn included), after
+    ``examples`` as earlier user turns each answered with ``EXAMPLE_REPLY``: render the conversation with a sentinel
+    as the last user message and keep what precedes it."""
+    earlier = [
+        message
+        for example in examples
+        for message in ({"role": "user", "content": example}, {"role": "assistant", "content": EXAMPLE_REPLY})
+    ]
     rendered = tokenizer.apply_chat_template(
-        [{"role": "user", "content": SENTINEL}], tokenize=False, add_generation_prompt=False, **chat_template_kwargs
+        [*earlier, {"role": "user", "content": SENTINEL}],
+        tokenize=False,
+        add_generation_prompt=False,
+        **chat_template_kwargs,
     )
     if SENTINEL not in rendered:
         raise ExpmanError("generate.self_prompts: the verifier's chat template does not render a user message verbatim")
     return list(tokenizer(rendered.split(SENTINEL, 1)[0], add_special_tokens=False)["input_ids"])
+
+
+@dataclass
+class WritingContexts:
+    """What the verifier sees before candidate i writes, and the category its prompt is filed under: the bare
+    user-turn prefix (Magpie as published), or ``examples`` shipped train prompts of one category before it, the
+    categories taken in turn and the examples drawn with seed ``seed + i`` (the same candidates after a resume)."""
+
+    tokenizer: Any
+    chat_template_kwargs: dict[str, Any]
+    settings: SelfPromptParams
+    shipped: dict[str, list[str]]
+    """Train prompts by category, the examples' pool; never a held-out prompt."""
+
+    def __post_init__(self) -> None:
+        if self.settings.examples and not self.shipped:
+            raise ExpmanError("generate.self_prompts.examples: no train prompt to show (no dataset has split: train)")
+        self._bare = user_turn_prefix(self.tokenizer, self.chat_template_kwargs)
+        self._categories = sorted(self.shipped)
+
+    def __call__(self, index: int) -> tuple[list[int], str]:
+        if not self.settings.examples:
+            return self._bare, self.settings.category
+        category = self._categories[index % len(self._categories)]
+        pool = self.shipped[category]
+        shown = random.Random(self.settings.seed + index).sample(pool, min(self.settings.examples, len(pool)))
+        prefix = user_turn_prefix(self.tokenizer, self.chat_template_kwargs, shown)
+        return prefix, f"{self.settings.category}-{category}"
 
 
 def _normal(text: str) -> str:
@@ -163,9 +208,11 @@ class PromptFilter:
 
 @dataclass(frozen=True)
 class SelfPromptReport:
-    """What prompt writing did: candidates sampled, prompts kept, and what each filter dropped."""
+    """What prompt writing did: candidates sampled, prompts kept (with their categories), and what each filter
+    dropped."""
 
     prompts: list[str]
+    categories: list[str]
     candidates: int
     dropped: dict[str, int]
 
@@ -174,33 +221,43 @@ class SelfPromptReport:
             "settings": settings.model_dump(),
             "candidates": self.candidates,
             "kept": len(self.prompts),
+            "kept_by_category": dict(sorted(Counter(self.categories).items())),
             "dropped": self.dropped,
         }
 
 
-def write_prompts(backend: Any, prefix: list[int], prompt_filter: PromptFilter, batch_size: int) -> SelfPromptReport:
-    """Sample user turns from ``prefix`` in seeded batches until ``count`` pass ``prompt_filter`` or
-    ``max_candidates`` were examined. Candidate i is drawn with seed ``seed + i``: the same settings give the same
-    prompts on the same engine and device. Samples past the ``count``-th kept prompt are not examined."""
+def write_prompts(
+    backend: Any,
+    contexts: Callable[[int], tuple[list[int], str]],
+    prompt_filter: PromptFilter,
+    batch_size: int,
+) -> SelfPromptReport:
+    """Sample user turns, candidate i from ``contexts(i)``'s prefix, in seeded batches until ``count`` pass
+    ``prompt_filter`` or ``max_candidates`` were examined. Candidate i is drawn with seed ``seed + i``: the same
+    settings give the same prompts on the same engine and device. Samples past the ``count``-th kept prompt are not
+    examined."""
     from tqdm import tqdm
 
     settings = prompt_filter.settings
     kept: list[str] = []
+    categories: list[str] = []
     candidates = 0
     bar = tqdm(total=settings.count, desc="self prompts", unit="prompt")
     while len(kept) < settings.count and candidates < settings.max_candidates:
         size = min(batch_size, settings.max_candidates - candidates)
+        batch = [contexts(candidates + i) for i in range(size)]
         seeds = [settings.seed + candidates + i for i in range(size)]
-        outputs = backend.complete([prefix] * size, settings.temperature, seeds, settings.max_tokens)
-        for output in outputs:
+        outputs = backend.complete([prefix for prefix, _ in batch], settings.temperature, seeds, settings.max_tokens)
+        for output, (_, category) in zip(outputs, batch, strict=True):
             if len(kept) == settings.count:
                 break
             candidates += 1
             text = output.text.strip()
             if prompt_filter.keep(text, output.finish_reason == "stop"):
                 kept.append(text)
+                categories.append(category)
                 bar.update()
         bar.set_postfix(candidates=candidates)
     bar.close()
     dropped = {reason: prompt_filter.dropped[reason] for reason in DROP_REASONS}
-    return SelfPromptReport(kept, candidates, dropped)
+    return SelfPromptReport(kept, categories, candidates, dropped)
