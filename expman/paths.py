@@ -24,6 +24,7 @@ __all__ = [
     "EvaluatePaths",
     "ExtractPaths",
     "GENERATED",
+    "GENERATE_STATE",
     "GeneratePaths",
     "REGISTERED",
     "RegisterPaths",
@@ -38,6 +39,7 @@ __all__ = [
 
 VERIFIER = Path("models/verifier")  # prepare: HF safetensors folder + manifest.json
 GENERATED = Path("data/generated")  # generate: <split>/shard-*.jsonl + manifest.json
+GENERATE_STATE = Path("data/.generate-state")  # generate: its finished shards, where DVC never deletes them
 EXTRACT = Path("data/extract")  # extract: manifest.json (the shards go to extract.shard_dir)
 VOCAB = Path("data/vocab")  # vocab: vocab.safetensors + metrics.json + manifest.json
 BASELINE = Path("models/baseline")  # baseline: speculators-format checkpoint + manifest.json
@@ -57,14 +59,17 @@ BENCHMARK_METRICS = Path("metrics/benchmark.json")  # benchmark: engine τ and s
 
 @dataclass(frozen=True)
 class GeneratePaths:
-    """generate: the prepared verifier in, the response shards out."""
+    """generate: the prepared verifier in, the response shards out. Shards are written into ``state`` and linked
+    into ``out``: ``dvc exp run`` deletes an output its lock does not describe (after a kill, or a lost lock) before
+    the stage runs, and the state is what a resumed run reuses."""
 
     verifier: Path
     out: Path
+    state: Path
 
     @classmethod
     def default(cls) -> GeneratePaths:
-        return cls(VERIFIER, GENERATED)
+        return cls(VERIFIER, GENERATED, GENERATE_STATE)
 
 
 @dataclass(frozen=True)

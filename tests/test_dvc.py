@@ -108,6 +108,31 @@ def tiny_graph(tmp_path_factory: pytest.TempPathFactory, tiny_verifier_source: P
     return project
 
 
+@pytest.mark.integration
+def test_an_experiment_resumes_generate_after_dvc_deleted_it(tmp_path: Path, tiny_verifier_source: Path) -> None:
+    """`dvc exp run` deletes an output its lock does not describe before the stage runs (after a kill the lock
+    still describes the last finished run; on a machine whose copy of the project lost dvc.lock it describes none).
+    generate resumes from its state folder instead of answering every prompt again."""
+    params = tiny_params("tiny-verifier")
+    params["generate"]["self_prompts"] = {"count": 2, "max_candidates": 32, "max_tokens": 16, "min_words": 1}
+    project = make_dvc_project(tmp_path / "project", params, train=8, heldout=3)
+    shutil.copytree(tiny_verifier_source, project / "tiny-verifier")
+    _run([*DVC, "exp", "run", "generate"], project)
+    first = (project / "data/generated/manifest.json").read_text()
+    (project / "dvc.lock").unlink()
+    again = _run([*DVC, "exp", "run", "generate"], project)
+    assert "Running stage 'generate'" in again.stdout and "It won't be created" in again.stderr  # DVC deleted it
+    assert "self prompts" not in again.stderr
+    assert json.loads((project / "data/generated/manifest.json").read_text())["splits"] == json.loads(first)["splits"]
+
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{project / 'mlflow.db'}")
+    runs = mlflow.search_runs(search_all_experiments=True, output_format="list")
+    generated = [r.data.metrics.get("generated_tok_per_s") for r in runs if r.data.tags["expman.stage"] == "generate"]
+    assert len(generated) == 2 and sum(rate is None for rate in generated) == 1  # the second generated nothing
+
+
 def _plots(project: Path) -> dict[str, dict]:
     """dvc.yaml's top-level plots: id -> definition."""
     plots = yaml.safe_load((project / "dvc.yaml").read_text())["plots"]

@@ -43,7 +43,7 @@ def test_vllm_states_match_transformers_on_smollm2(tmp_path: Path, monkeypatch: 
         loaded = write_params(params)
         if backend == "hf":
             prepare(loaded, paths.VERIFIER)
-            generate(loaded, GeneratePaths(paths.VERIFIER, paths.GENERATED))
+            generate(loaded, GeneratePaths(paths.VERIFIER, paths.GENERATED, paths.GENERATE_STATE))
         out = Path(f"extract-{backend}")
         manifests[backend] = extract(loaded, ExtractPaths(paths.VERIFIER, paths.GENERATED, out))
     hf, vllm = manifests["hf"], manifests["vllm"]
@@ -101,7 +101,7 @@ def test_two_tensor_parallel_ranks_write_the_states_one_rank_writes(
         loaded = write_params(params)
         if ranks == 1:
             prepare(loaded, paths.VERIFIER)
-            generate(loaded, GeneratePaths(paths.VERIFIER, paths.GENERATED))
+            generate(loaded, GeneratePaths(paths.VERIFIER, paths.GENERATED, paths.GENERATE_STATE))
         manifest = extract(loaded, ExtractPaths(paths.VERIFIER, paths.GENERATED, Path(f"extract-{ranks}")))
         shards[ranks] = _shards(manifest)
     one, two = shards[1], shards[2]

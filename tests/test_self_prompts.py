@@ -171,7 +171,7 @@ def test_generate_answers_the_prompts_it_wrote_and_records_what_it_dropped(proje
     guard = PromptFilter(SelfPromptParams(), heldout)
     assert not any(guard.near_heldout(r["messages"][-2]["content"]) for r in self_written)
     first = (project / paths.GENERATED / "self_prompts/prompts.jsonl").read_bytes()
-    (project / paths.GENERATED / "self_prompts/prompts.jsonl.done.json").unlink()
+    (project / paths.GENERATE_STATE / "self_prompts/prompts.jsonl.done.json").unlink()
     generate(loaded, GeneratePaths.default())  # written again: the same seed gives the same prompts
     assert (project / paths.GENERATED / "self_prompts/prompts.jsonl").read_bytes() == first
 

@@ -28,7 +28,7 @@ def test_vllm_and_hf_backends_agree_on_smollm2(tmp_path: Path, monkeypatch: pyte
         loaded = write_params(params)
         if backend == "hf":
             prepare(loaded, paths.VERIFIER)
-        generate(loaded, GeneratePaths(paths.VERIFIER, paths.GENERATED / backend))
+        generate(loaded, GeneratePaths(paths.VERIFIER, paths.GENERATED / backend, paths.GENERATE_STATE / backend))
         outputs[backend] = {r["id"]: r for r in read_responses(paths.GENERATED / backend, "train")}
     assert outputs["hf"].keys() == outputs["vllm"].keys()
     for record_id, hf in outputs["hf"].items():
@@ -55,7 +55,7 @@ def test_vllm_sampled_responses_are_seeded_per_conversation(tmp_path: Path, monk
     prepare(loaded, paths.VERIFIER)
     runs = []
     for name in ("first", "second"):
-        generate(loaded, GeneratePaths(paths.VERIFIER, paths.GENERATED / name))
+        generate(loaded, GeneratePaths(paths.VERIFIER, paths.GENERATED / name, paths.GENERATE_STATE / name))
         runs.append({r["id"]: r["input_ids"] for r in read_responses(paths.GENERATED / name, "train")})
     assert runs[0] == runs[1]
     originals = [i for i in runs[0] if "~" not in i]

@@ -9,6 +9,7 @@ assistant turns are regenerated in order; the last one is the training target.
 from __future__ import annotations
 
 import json
+import os
 import time
 import zlib
 from collections.abc import Sequence
@@ -18,7 +19,7 @@ from typing import Any
 
 from expman.data.backend import Backend, GenOutput, Messages
 from expman.data.conversations import Conversation, read_dataset
-from expman.data.shards import ShardSet, remove_stale_temps, verify_shard
+from expman.data.shards import ShardSet, verify_shard
 from expman.errors import ExpmanError
 from expman.params import GenerateParams, Params
 from expman.paths import GeneratePaths
@@ -145,14 +146,29 @@ def _regenerate(
     return records
 
 
-def _remove_other_folders(out_dir: Path, keep: set[str]) -> None:
+def _remove_other_folders(folder: Path, keep: set[str]) -> None:
     """Delete the folders of splits or self prompts that the current plan no longer has (self_prompts.count back
-    to 0, a split's dataset removed), so the output holds only what its manifest lists."""
+    to 0, a split's dataset removed), so the folder holds only what the manifest lists."""
     import shutil
 
-    for folder in out_dir.iterdir():
-        if folder.is_dir() and not folder.name.startswith(".") and folder.name not in keep:
-            shutil.rmtree(folder)
+    for child in folder.iterdir() if folder.is_dir() else ():
+        if child.is_dir() and not child.name.startswith(".") and child.name not in keep:
+            shutil.rmtree(child)
+
+
+def _publish(state: Path, out: Path, files: list[str]) -> None:
+    """Put the state's finished ``files`` (paths relative to both folders) into the stage's output and nothing else:
+    by hard link where the file system allows (no second copy), by copy elsewhere."""
+    import shutil
+
+    if out.is_dir():
+        shutil.rmtree(out)
+    for name in files:
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(state / name, out / name)
+        except OSError:
+            shutil.copy2(state / name, out / name)
 
 
 def _self_prompts(
@@ -160,7 +176,7 @@ def _self_prompts(
     section: GenerateParams,
     settings: dict[str, Any],
     conversations: dict[str, list[Conversation]],
-    out_dir: Path,
+    state: Path,
 ) -> tuple[Backend | None, dict[str, Any]]:
     """Add the prompts the verifier writes itself to the train conversations (written once, then reused while
     their plan is unchanged); return the backend, if one had to be started, and the prompts' manifest entry."""
@@ -176,7 +192,7 @@ def _self_prompts(
     for conversation in conversations.get("train", []):
         shipped.setdefault(conversation.category, []).append(conversation.user_turns[0])
     contexts = WritingContexts(load_tokenizer(verifier_dir), section.chat_template_kwargs, wanted, shipped)
-    shards = ShardSet(out_dir / "self_prompts")
+    shards = ShardSet(state / "self_prompts")
     key = sha256_json(
         {
             "settings": {**settings, "backend": section.backend, "device": section.device},
@@ -241,7 +257,7 @@ def _write_split(
     the tokens generated now and the backend (started on the first shard that needs it)."""
     import torch
 
-    shards = ShardSet(where.out / split)
+    shards = ShardSet(where.state / split)
     entries = []
     new_tokens = 0
     for index, start in enumerate(range(0, len(items), section.shard_size)):
@@ -268,7 +284,8 @@ def _write_split(
 
 
 def generate(params: Params, where: GeneratePaths) -> dict[str, Any]:
-    """Regenerate responses for every dataset of ``params.generate`` into ``where.out/<split>/shard-*.jsonl``."""
+    """Regenerate responses for every dataset of ``params.generate`` into ``where.out/<split>/shard-*.jsonl``
+    (written shard by shard into ``where.state``, then linked into ``where.out``)."""
     from tqdm import tqdm
 
     from expman.devices import precision_facts, resolve_device
@@ -290,7 +307,7 @@ def generate(params: Params, where: GeneratePaths) -> dict[str, Any]:
         backend: Backend | None = None
         self_prompted: dict[str, Any] | None = None
         if section.self_prompts.count:
-            backend, self_prompted = _self_prompts(where.verifier, section, settings, conversations, where.out)
+            backend, self_prompted = _self_prompts(where.verifier, section, settings, conversations, where.state)
             run.log_metrics(_self_prompt_metrics(self_prompted))
         originals = conversations.get("train", [])
         for k in range(1, section.sampled_responses + 1):  # after the originals: their shards stay as they were
@@ -313,8 +330,9 @@ def generate(params: Params, where: GeneratePaths) -> dict[str, Any]:
         facts["splits"] = splits
         if self_prompted is not None:
             facts["self_prompts"] = self_prompted
-        _remove_other_folders(where.out, {*splits, *(["self_prompts"] if self_prompted else [])})
-        remove_stale_temps(where.out / "manifest.json")  # left by a kill during an earlier write
+        _remove_other_folders(where.state, {*splits, *(["self_prompts"] if self_prompted else [])})
+        files = [f"{split}/{shard['path']}" for split, written in splits.items() for shard in written["shards"]]
+        _publish(where.state, where.out, files + ([self_prompted["path"]] if self_prompted else []))
         return run.write_manifest(where.out / "manifest.json", facts)
 
 
