@@ -99,7 +99,7 @@ class Stage:
 
 
 STAGES = [
-    Stage("generate", ("data/generated",), "data/generated/manifest.json"),
+    Stage("generate", ("data/generated", "data/.generate-state"), "data/generated/manifest.json"),
     Stage("extract", ("data/extract",), "data/extract/manifest.json"),
     Stage("train", ("models", "metrics"), "models/drafter/manifest.json", keep=("models/verifier",)),
 ]
