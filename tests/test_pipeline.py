@@ -185,7 +185,7 @@ def test_generate_redoes_only_unfinished_shards(project: Path, monkeypatch: pyte
     run_until("generate")
     train = project / paths.GENERATED / "train"
     before = {p.name: p.read_bytes() for p in train.glob("*.jsonl")}
-    (train / "shard-00001.jsonl.done.json").unlink()
+    (project / paths.GENERATE_STATE / "train/shard-00001.jsonl.done.json").unlink()
     from expman.data import generate as generate_module
 
     calls = []
