@@ -8,7 +8,12 @@ resumes where the last one stopped (generate and extract by shard, train from it
   python benchmarks/quality_gpu.py report --device-seconds 1500 --out benchmarks/results/quality_gpu_h200.json
 
 Then, where vLLM is installed, the benchmark stage serves the GPU-trained drafters (``dvc repro benchmark`` with
-``benchmark.engine: vllm``), and ``report --engine data/benchmark/benchmark.json`` adds the engine's τ.
+``benchmark.engine: vllm``), and ``report --engine data/benchmark/benchmark.json`` adds the engine's τ. A machine
+that returns files in pieces of a few MB brings the drafters back without their ``embed_tokens`` (a copy of the
+verifier's, 113 of SmolLM2's 152 MB):
+
+  python benchmarks/quality_gpu.py pack --arm drafter --out $OUT      # on the GPU machine
+  python benchmarks/quality_gpu.py unpack --arm drafter --pieces DIR  # here, after prepare: sha256 must match
 """
 
 from __future__ import annotations
@@ -99,11 +104,10 @@ def _data_sizes() -> dict[str, Any]:
         for split, facts in generated["splits"].items()
     }
     written = generated.get("self_prompts")
+    facts = ("candidates", "kept", "kept_by_category", "dropped", "settings")
     return {
         "generated": splits,
-        "self_prompts": None
-        if written is None
-        else {key: written[key] for key in ("candidates", "kept", "dropped", "settings")},
+        "self_prompts": None if written is None else {key: written[key] for key in facts if key in written},
         "extract": {**extracted["totals"], "bytes": extracted["storage"]["bytes"]},
     }
 
@@ -188,6 +192,63 @@ def report(
             "integration_fault": {name: arm.get("integration_fault") for name, arm in arms.items()},
         }
     write_report(out, result, machine=device_name is None and device_cpu is None)
+
+
+PIECE_BYTES = 15_000_000
+EMBEDDING = "embed_tokens.weight"
+
+
+@main.command()
+@click.option("--arm", type=click.Choice(["drafter", "baseline"]), required=True)
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True)
+def pack(arm: str, out: Path) -> None:
+    """models/<arm>/model.safetensors without its embedding (checked equal to the verifier's), in pieces, with the
+    sha256 of the whole file that ``unpack`` must rebuild."""
+    import hashlib
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    whole = Path(f"models/{arm}/model.safetensors")
+    tensors = load_file(whole)
+    verifier = load_file("models/verifier/model.safetensors")
+    if not torch.equal(tensors.pop(EMBEDDING), verifier["model.embed_tokens.weight"]):
+        raise click.ClickException(f"{whole}: {EMBEDDING} is not the verifier's; send the whole file")
+    stripped = out / f"{arm}.stripped.safetensors"
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, stripped, metadata={"format": "pt"})
+    data = stripped.read_bytes()
+    stripped.unlink()
+    pieces = [data[i : i + PIECE_BYTES] for i in range(0, len(data), PIECE_BYTES)]
+    for index, piece in enumerate(pieces):
+        (out / f"{arm}.part{index}").write_bytes(piece)
+    digest = hashlib.sha256(whole.read_bytes()).hexdigest()
+    (out / f"{arm}.json").write_text(json.dumps({"sha256": digest, "pieces": len(pieces)}))
+    click.echo(f"{arm}: {len(pieces)} pieces, {len(data)} bytes without the embedding; sha256 {digest}")
+
+
+@main.command()
+@click.option("--arm", type=click.Choice(["drafter", "baseline"]), required=True)
+@click.option("--pieces", type=click.Path(exists=True, file_okay=False, path_type=Path), required=True)
+def unpack(arm: str, pieces: Path) -> None:
+    """Rebuild models/<arm>/model.safetensors from ``pack``'s pieces and this project's prepared verifier; refuse
+    unless its sha256 equals the packed file's."""
+    import hashlib
+
+    from safetensors.torch import load, load_file, save_file
+
+    facts = json.loads((pieces / f"{arm}.json").read_text())
+    data = b"".join((pieces / f"{arm}.part{i}").read_bytes() for i in range(facts["pieces"]))
+    tensors = load(data)
+    tensors[EMBEDDING] = load_file("models/verifier/model.safetensors")["model.embed_tokens.weight"]
+    whole = Path(f"models/{arm}/model.safetensors")
+    whole.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, whole, metadata={"format": "pt"})
+    digest = hashlib.sha256(whole.read_bytes()).hexdigest()
+    if digest != facts["sha256"]:
+        whole.unlink()
+        raise click.ClickException(f"{whole}: rebuilt sha256 {digest} is not the packed {facts['sha256']}")
+    click.echo(f"{whole}: sha256 {digest}, equal to the packed file")
 
 
 if __name__ == "__main__":
