@@ -181,6 +181,8 @@ def test_generate_answers_the_prompts_it_wrote_and_records_what_it_dropped(proje
     runs = mlflow.search_runs(search_all_experiments=True, output_format="list")
     run = next(r for r in runs if r.data.tags["expman.stage"] == "generate")
     assert run.data.metrics["self_prompts.kept"] == 3
+    by_category = {k: v for k, v in run.data.metrics.items() if k.startswith("self_prompts.kept.self-")}
+    assert sum(by_category.values()) == 3
     assert run.data.params["self_prompts.seed"] == "0"
 
     without = loaded.generate.model_copy(update={"self_prompts": SelfPromptParams(count=0)})

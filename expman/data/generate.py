@@ -225,6 +225,7 @@ def _self_prompts(
 def _self_prompt_metrics(entry: dict[str, Any]) -> dict[str, float]:
     counts = {"candidates": entry["candidates"], "kept": entry["kept"]}
     counts.update({f"dropped.{reason}": n for reason, n in entry["dropped"].items()})
+    counts.update({f"kept.{category}": n for category, n in entry.get("kept_by_category", {}).items()})
     return {f"self_prompts.{name}": float(n) for name, n in counts.items()}
 
 
