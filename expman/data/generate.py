@@ -171,6 +171,19 @@ def _publish(state: Path, out: Path, files: list[str]) -> None:
             shutil.copy2(state / name, out / name)
 
 
+def _prompt_pools(
+    conversations: dict[str, list[Conversation]],
+) -> tuple[list[str], list[str], dict[str, list[str]]]:
+    """What prompt writing needs from the datasets: the held-out turns (never kept, nor near copies), the train
+    turns (duplicates of these are dropped) and the train prompts by category (the examples' pool)."""
+    heldout = [turn for c in conversations.get("heldout", []) for turn in c.user_turns]
+    known = [turn for c in conversations.get("train", []) for turn in c.user_turns]
+    shipped: dict[str, list[str]] = {}
+    for conversation in conversations.get("train", []):
+        shipped.setdefault(conversation.category, []).append(conversation.user_turns[0])
+    return heldout, known, shipped
+
+
 def _self_prompts(
     verifier_dir: Path,
     section: GenerateParams,
@@ -186,11 +199,7 @@ def _self_prompts(
     from expman.data.verifier import load_tokenizer
 
     wanted = section.self_prompts
-    heldout = [turn for c in conversations.get("heldout", []) for turn in c.user_turns]
-    known = [turn for c in conversations.get("train", []) for turn in c.user_turns]
-    shipped: dict[str, list[str]] = {}
-    for conversation in conversations.get("train", []):
-        shipped.setdefault(conversation.category, []).append(conversation.user_turns[0])
+    heldout, known, shipped = _prompt_pools(conversations)
     contexts = WritingContexts(load_tokenizer(verifier_dir), section.chat_template_kwargs, wanted, shipped)
     shards = ShardSet(state / "self_prompts")
     key = sha256_json(
