@@ -20,6 +20,7 @@ __all__ = [
     "EVALUATE",
     "EVALUATE_METRICS",
     "EVALUATE_PLOTS",
+    "EVALUATE_STATE",
     "EXTRACT",
     "EvaluatePaths",
     "ExtractPaths",
@@ -52,6 +53,7 @@ TRAIN_PLOTS = Path("plots/train")  # train: steps.csv (each logging window) + he
 EVALUATE = Path("data/evaluate")  # evaluate: evaluation.json (per-prompt results + summary) + manifest.json
 EVALUATE_METRICS = Path("metrics/evaluate.json")  # evaluate: τ, acceptance, speedup per arm and k
 EVALUATE_PLOTS = Path("plots/evaluate")  # evaluate: tau, speedup, per_position, by_category CSVs, for dvc plots
+EVALUATE_STATE = Path("data/.evaluate-state")  # evaluate: the rows of the prompts decoded so far, for a resumed run
 REGISTERED = Path("models/registered.json")  # register: the registered model name, version and models:/ URI
 BENCHMARK = Path("data/benchmark")  # benchmark: benchmark.json (engine vs reference numbers, verdicts) + manifest
 BENCHMARK_METRICS = Path("metrics/benchmark.json")  # benchmark: engine τ and speedup, integration_fault per arm
@@ -123,7 +125,8 @@ class TrainPaths:
 @dataclass(frozen=True)
 class EvaluatePaths:
     """evaluate: the verifier, the held-out responses and the candidate drafter in (the baseline drafter is a
-    param); the evaluation, its metrics and plot tables out."""
+    param); the evaluation, its metrics and plot tables out. ``state`` keeps each decoded prompt's row until the
+    stage finishes, so a killed run decodes only the prompts it had not reached."""
 
     verifier: Path
     generated: Path
@@ -131,10 +134,11 @@ class EvaluatePaths:
     out: Path
     metrics: Path
     plots: Path
+    state: Path
 
     @classmethod
     def default(cls) -> EvaluatePaths:
-        return cls(VERIFIER, GENERATED, DRAFTER, EVALUATE, EVALUATE_METRICS, EVALUATE_PLOTS)
+        return cls(VERIFIER, GENERATED, DRAFTER, EVALUATE, EVALUATE_METRICS, EVALUATE_PLOTS, EVALUATE_STATE)
 
 
 @dataclass(frozen=True)

@@ -226,7 +226,7 @@ def test_summary_pools_counters_as_designed(tmp_path: Path) -> None:
     evaluation_figure(evaluation).savefig(tmp_path / "evaluate.png")
 
 
-def test_baseline_train_and_evaluate_stages_on_the_tiny_project(project: Path) -> None:
+def test_baseline_train_and_evaluate_stages_on_the_tiny_project(project: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import dataclasses
 
     import yaml
@@ -300,6 +300,35 @@ def test_baseline_train_and_evaluate_stages_on_the_tiny_project(project: Path) -
     assert evaluated_in_workers["workers"] == 2
     assert untimed(evaluated_in_workers["prompts"]) == untimed(evaluation["prompts"])
     assert json.loads((project / paths.EVALUATE_METRICS).read_text())["candidate"]["k3"]["tau"] >= 1.0
+
+    # Ctrl-C at the third prompt, then the same evaluation again: it decodes only the prompts it had not reached
+    from expman.evaluation import evaluate as evaluation_module
+
+    decoded: list[str] = []
+    decode_row = evaluation_module._prompt_row
+
+    def row_until_interrupted(*args: Any) -> dict:
+        if interrupt_at is not None and len(decoded) == interrupt_at:
+            raise KeyboardInterrupt
+        decoded.append(args[2]["id"])
+        return decode_row(*args)
+
+    monkeypatch.setattr(evaluation_module, "_prompt_row", row_until_interrupted)
+    resumed = dataclasses.replace(separate, out=Path("data/evaluate-3"), metrics=Path("metrics/evaluate-3.json"))
+    interrupt_at: int | None = 2
+    with pytest.raises(KeyboardInterrupt):
+        evaluate(loaded, resumed)
+    assert not (project / "data/evaluate-3/evaluation.json").exists()
+    [state] = list((project / paths.EVALUATE_STATE).iterdir())
+    assert sum(len(part.read_text().splitlines()) for part in state.glob("*.jsonl")) == 2
+    interrupt_at = None
+    evaluate(loaded, resumed)
+    every_prompt = [row["id"] for row in evaluation["prompts"]]
+    assert sorted(decoded) == sorted(every_prompt) and len(decoded) == 4  # 2 before the interrupt, 2 after it
+    evaluated_again = json.loads((project / "data/evaluate-3/evaluation.json").read_text())
+    assert evaluated_again["resumed_prompts"] == 2 and evaluation["resumed_prompts"] == 0
+    assert untimed(evaluated_again["prompts"]) == untimed(evaluation["prompts"])
+    assert not state.exists()
 
     # the tables dvc plots draws, and the same pictures in the run
     from expman.plots import read_table

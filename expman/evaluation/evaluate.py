@@ -18,6 +18,7 @@ arm of the same run. Per-prompt results are kept so ``expman compare`` can boots
 from __future__ import annotations
 
 import math
+import shutil
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -503,66 +504,114 @@ def _decode_rows(
 
 def _decode_worker(decoding: _Decoding, prompts: list[dict[str, Any]], rows_path: Path, threads: int) -> None:
     """A worker process: its share of the prompts, one JSON row per line as each finishes."""
+    torch.set_num_threads(threads)
+    _write_rows(_decode_rows(decoding.section, decoding.load(), prompts), rows_path)
+
+
+def _write_rows(rows: Iterator[dict[str, Any]], rows_path: Path) -> None:
+    """Each row on its own flushed line as it comes, so a kill loses at most the prompt being decoded."""
     import json
 
-    torch.set_num_threads(threads)
-    with rows_path.open("w") as out:
-        for row in _decode_rows(decoding.section, decoding.load(), prompts):
+    with rows_path.open("a") as out:
+        for row in rows:
             out.write(json.dumps(row) + "\n")
             out.flush()
 
 
-def _decode_in_workers(decoding: _Decoding, prompts: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Prompts dealt round-robin to ``evaluate.workers`` processes, each with its own verifier and drafters (a batch-1
-    decode on a GPU is bound by kernel launches, so one GPU serves several); rows come back in prompt order."""
+def _finished_rows(folder: Path) -> dict[str, dict[str, Any]]:
+    """The rows an earlier, killed run of the same evaluation wrote, by prompt id (a line cut short is skipped)."""
     import json
-    import os
-    import tempfile
 
-    from tqdm import tqdm
+    rows: dict[str, dict[str, Any]] = {}
+    for part in sorted(folder.glob("*.jsonl")):
+        for line in part.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            rows[row["id"]] = row
+    return rows
+
+
+def _state_folder(where: EvaluatePaths, key: dict[str, Any]) -> Path:
+    """The rows folder of exactly this evaluation (settings, verifier, drafter files, prompts); the folders of any
+    other evaluation are stale and go."""
+    import hashlib
+    import json
+
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    folder = where.state / digest
+    for other in where.state.glob("*"):
+        if other != folder:
+            shutil.rmtree(other, ignore_errors=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def _decode_in_workers(
+    decoding: _Decoding, prompts: list[dict[str, Any]], folder: Path, bar: Any
+) -> dict[str, dict[str, Any]]:
+    """Prompts dealt round-robin to ``evaluate.workers`` processes, each with its own verifier and drafters (a batch-1
+    decode on a GPU is bound by kernel launches, so one GPU serves several), each appending to its rows file."""
+    import os
 
     workers = min(decoding.section.workers, len(prompts))
     threads = 1 if decoding.device.startswith("cuda") else max(1, (os.cpu_count() or 1) // workers)
     context = torch.multiprocessing.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="expman-evaluate-") as folder:
-        files = [Path(folder) / f"worker-{i}.jsonl" for i in range(workers)]
-        processes = [
-            context.Process(
-                target=_decode_worker,
-                args=(decoding, prompts[i::workers], files[i], threads),
-            )
-            for i in range(workers)
-        ]
+    stamp = time.time_ns()
+    files = [folder / f"rows-{stamp}-{i}.jsonl" for i in range(workers)]
+    processes = [
+        context.Process(target=_decode_worker, args=(decoding, prompts[i::workers], files[i], threads))
+        for i in range(workers)
+    ]
+    for process in processes:
+        process.start()
+    start = bar.n
+    try:
+        while any(p.is_alive() for p in processes):
+            time.sleep(1.0)
+            done = sum(len(f.read_text().splitlines()) for f in files if f.exists())
+            bar.update(start + done - bar.n)
+    finally:
         for process in processes:
-            process.start()
-        try:
-            with tqdm(total=len(prompts), desc=f"evaluate ({workers} workers)", unit="prompt") as bar:
-                while any(p.is_alive() for p in processes):
-                    time.sleep(1.0)
-                    done = sum(len(f.read_text().splitlines()) for f in files if f.exists())
-                    bar.update(done - bar.n)
-        finally:
-            for process in processes:
-                process.terminate()
-                process.join()
-        failed = [i for i, p in enumerate(processes) if p.exitcode != 0]
-        if failed:
-            code = processes[failed[0]].exitcode
-            raise ExpmanError(f"evaluate: worker {failed[0]} exited with {code} (its error is above)")
-        rows = {row["id"]: row for f in files for row in map(json.loads, f.read_text().splitlines())}
-    return [rows[record["id"]] for record in prompts]
+            process.terminate()
+            process.join()
+    failed = [i for i, p in enumerate(processes) if p.exitcode != 0]
+    if failed:
+        code = processes[failed[0]].exitcode
+        raise ExpmanError(f"evaluate: worker {failed[0]} exited with {code} (its error is above)")
+    return _finished_rows(folder)
+
+
+def _counted(rows: Iterator[dict[str, Any]], bar: Any) -> Iterator[dict[str, Any]]:
+    for row in rows:
+        yield row
+        bar.update(1)
 
 
 def _measure(
-    decoding: _Decoding, loaded: tuple[Any, set[int], dict[str, Eagle3Drafter]] | None, prompts: list[dict[str, Any]]
-) -> list[dict[str, Any]]:
-    """Every prompt's row: with the models loaded here, or in ``evaluate.workers`` processes (``loaded`` None)."""
+    decoding: _Decoding,
+    loaded: tuple[Any, set[int], dict[str, Eagle3Drafter]] | None,
+    prompts: list[dict[str, Any]],
+    folder: Path,
+) -> tuple[list[dict[str, Any]], int]:
+    """Every prompt's row, in prompt order, and how many came from a killed earlier run: the rest decoded with
+    the models loaded here, or in ``evaluate.workers`` processes (``loaded`` None)."""
     from tqdm import tqdm
 
-    if loaded is None:
-        return _decode_in_workers(decoding, prompts)
-    decoded = _decode_rows(decoding.section, loaded, prompts)
-    return list(tqdm(decoded, total=len(prompts), desc="evaluate", unit="prompt"))
+    finished = _finished_rows(folder)
+    todo = [record for record in prompts if record["id"] not in finished]
+    reused = len(prompts) - len(todo)
+    workers = "" if loaded is not None else f" ({min(decoding.section.workers, max(len(todo), 1))} workers)"
+    with tqdm(total=len(prompts), initial=reused, desc=f"evaluate{workers}", unit="prompt") as bar:
+        if todo and loaded is None:
+            finished = _decode_in_workers(decoding, todo, folder, bar)
+        elif todo:
+            _write_rows(
+                _counted(_decode_rows(decoding.section, loaded, todo), bar), folder / f"rows-{time.time_ns()}.jsonl"
+            )
+            finished = _finished_rows(folder)
+    return [finished[record["id"]] for record in prompts], reused
 
 
 def _flat_metrics(summary: dict[str, Any], arms: Sequence[str]) -> dict[str, float]:
@@ -594,8 +643,11 @@ def evaluate(params: Params, where: EvaluatePaths) -> dict[str, Any]:
     else:
         aux_layers = {arm: list(drafter.config.aux_layer_ids) for arm, drafter in loaded[2].items()}
     resolved = {"resolved": precision_facts(device, section.dtype)}
+    arm_files = {arm: sha256_file(p / "model.safetensors") for arm, p in arm_paths.items()}
+    key = {"evaluate": section.model_dump(), "verifier": verifier_manifest["verifier"], "arms": arm_files}
+    folder = _state_folder(where, key | {"prompts": [record["id"] for record in prompts]})
     with stage_run("evaluate", section.model_dump() | resolved, upstream) as run:
-        rows = _measure(decoding, loaded, prompts)
+        rows, reused = _measure(decoding, loaded, prompts, folder)
         summary = summarize(rows, list(arm_paths), section.ks)
         evaluation = {
             "ks": section.ks,
@@ -604,10 +656,11 @@ def evaluate(params: Params, where: EvaluatePaths) -> dict[str, Any]:
             **precision_facts(device, section.dtype),
             "target": speedup_target(device, section.dtype),
             "workers": section.workers,
+            "resumed_prompts": reused,  # decoded by a killed earlier run of the same evaluation, timings included
             "arms": {
                 arm: {
                     "path": str(p),
-                    "sha256": sha256_file(p / "model.safetensors"),
+                    "sha256": arm_files[arm],
                     "aux_layers": aux_layers[arm],  # as fed here: the trained ones
                 }
                 for arm, p in arm_paths.items()
@@ -624,4 +677,6 @@ def evaluate(params: Params, where: EvaluatePaths) -> dict[str, Any]:
         write_tables(where.plots, evaluation_tables(evaluation))
         run.log_figure(evaluation_figure(evaluation), EVALUATE_FIGURE)
         facts = {"prompts": len(rows), "ks": section.ks, "arms": evaluation["arms"], "summary_file": "evaluation.json"}
-        return run.write_manifest(where.out / "manifest.json", facts)
+        manifest = run.write_manifest(where.out / "manifest.json", facts)
+    shutil.rmtree(folder)  # finished: a forced rerun measures again
+    return manifest
