@@ -203,7 +203,7 @@ EMBEDDING = "embed_tokens.weight"
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True)
 def pack(arm: str, out: Path) -> None:
     """models/<arm>/model.safetensors without its embedding (checked equal to the verifier's), in pieces, with the
-    sha256 of the whole file that ``unpack`` must rebuild."""
+    sha256 of the whole file that ``unpack`` must rebuild and the folder's small files (config, manifest) whole."""
     import hashlib
 
     import torch
@@ -223,7 +223,8 @@ def pack(arm: str, out: Path) -> None:
     for index, piece in enumerate(pieces):
         (out / f"{arm}.part{index}").write_bytes(piece)
     digest = hashlib.sha256(whole.read_bytes()).hexdigest()
-    (out / f"{arm}.json").write_text(json.dumps({"sha256": digest, "pieces": len(pieces)}))
+    small = {p.name: p.read_text() for p in sorted(whole.parent.iterdir()) if p.is_file() and p != whole}
+    (out / f"{arm}.json").write_text(json.dumps({"sha256": digest, "pieces": len(pieces), "files": small}))
     click.echo(f"{arm}: {len(pieces)} pieces, {len(data)} bytes without the embedding; sha256 {digest}")
 
 
@@ -231,8 +232,8 @@ def pack(arm: str, out: Path) -> None:
 @click.option("--arm", type=click.Choice(["drafter", "baseline"]), required=True)
 @click.option("--pieces", type=click.Path(exists=True, file_okay=False, path_type=Path), required=True)
 def unpack(arm: str, pieces: Path) -> None:
-    """Rebuild models/<arm>/model.safetensors from ``pack``'s pieces and this project's prepared verifier; refuse
-    unless its sha256 equals the packed file's."""
+    """Rebuild models/<arm>/ from ``pack``'s pieces, its small files and this project's prepared verifier; refuse
+    unless the weights' sha256 equals the packed file's."""
     import hashlib
 
     from safetensors.torch import load, load_file, save_file
@@ -248,6 +249,8 @@ def unpack(arm: str, pieces: Path) -> None:
     if digest != facts["sha256"]:
         whole.unlink()
         raise click.ClickException(f"{whole}: rebuilt sha256 {digest} is not the packed {facts['sha256']}")
+    for name, text in facts.get("files", {}).items():
+        (whole.parent / name).write_text(text)
     click.echo(f"{whole}: sha256 {digest}, equal to the packed file")
 
 
