@@ -584,6 +584,7 @@ def _decode_in_workers(
 
 
 def _counted(rows: Iterator[dict[str, Any]], bar: Any) -> Iterator[dict[str, Any]]:
+    """The rows as they come, each one ticking the progress bar."""
     for row in rows:
         yield row
         bar.update(1)
@@ -644,8 +645,15 @@ def evaluate(params: Params, where: EvaluatePaths) -> dict[str, Any]:
         aux_layers = {arm: list(drafter.config.aux_layer_ids) for arm, drafter in loaded[2].items()}
     resolved = {"resolved": precision_facts(device, section.dtype)}
     arm_files = {arm: sha256_file(p / "model.safetensors") for arm, p in arm_paths.items()}
-    key = {"evaluate": section.model_dump(), "verifier": verifier_manifest["verifier"], "arms": arm_files}
-    folder = _state_folder(where, key | {"prompts": [record["id"] for record in prompts]})
+    folder = _state_folder(  # the rows of exactly this evaluation, kept until it finishes
+        where,
+        {
+            "evaluate": section.model_dump(),
+            "verifier": verifier_manifest["verifier"],
+            "arms": arm_files,
+            "prompts": [record["id"] for record in prompts],
+        },
+    )
     with stage_run("evaluate", section.model_dump() | resolved, upstream) as run:
         rows, reused = _measure(decoding, loaded, prompts, folder)
         summary = summarize(rows, list(arm_paths), section.ks)
