@@ -645,15 +645,8 @@ def evaluate(params: Params, where: EvaluatePaths) -> dict[str, Any]:
         aux_layers = {arm: list(drafter.config.aux_layer_ids) for arm, drafter in loaded[2].items()}
     resolved = {"resolved": precision_facts(device, section.dtype)}
     arm_files = {arm: sha256_file(p / "model.safetensors") for arm, p in arm_paths.items()}
-    folder = _state_folder(  # the rows of exactly this evaluation, kept until it finishes
-        where,
-        {
-            "evaluate": section.model_dump(),
-            "verifier": verifier_manifest["verifier"],
-            "arms": arm_files,
-            "prompts": [record["id"] for record in prompts],
-        },
-    )
+    this_evaluation = {"evaluate": section.model_dump(), "verifier": verifier_manifest["verifier"], "arms": arm_files}
+    folder = _state_folder(where, this_evaluation | {"prompts": [record["id"] for record in prompts]})  # until done
     with stage_run("evaluate", section.model_dump() | resolved, upstream) as run:
         rows, reused = _measure(decoding, loaded, prompts, folder)
         summary = summarize(rows, list(arm_paths), section.ks)
