@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from expman.drafter.model import DrafterConfig, Eagle3Drafter, ttt_attention_mask
+from expman.drafter.model import DocumentSpans, DrafterConfig, Eagle3Drafter
 
 TINY_VERIFIER = {
     "hidden_size": 16,
@@ -84,14 +84,31 @@ def test_ttt_unroll_equals_brute_force(norm_before_residual: bool) -> None:
         torch.testing.assert_close(fast[step][0], slow[step], rtol=1e-5, atol=1e-5)
 
 
-def test_mask_shape_and_padding_rows_never_empty() -> None:
-    documents = torch.tensor([[0, 0, 1, -1, -1]])
-    mask = ttt_attention_mask(documents, step=2)
-    assert mask.shape == (1, 1, 5, 15)
-    assert mask.any(dim=-1).all()
-    assert mask[0, 0, 2, :5].tolist() == [False, False, True, False, False]  # a new document starts fresh
-    assert mask[0, 0, 1, 5:].nonzero().flatten().tolist() == [1, 6]  # its own position in steps 1 and 2
-    assert not mask[0, 0, 0, 3:5].any()  # real tokens never see padding
+def test_ttt_unroll_gradients_equal_brute_force() -> None:
+    """The per-document attention's backward (CPU training) equals autograd through the brute-force reference."""
+    generator = torch.Generator().manual_seed(4)
+    documents = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2, 2, 2]])
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0, 1, 2]])
+    aux = torch.randn(1, 10, 3 * 16, generator=generator)
+    step_ids = [torch.randint(0, 50, (1, 10), generator=generator) for _ in range(3)]
+    weights = [torch.randn(1, 10, 20, generator=generator) for _ in range(3)]
+    gradients = []
+    for brute_force in (False, True):
+        model = _drafter(norm_before_residual=True)
+        inputs = (aux, step_ids, positions, documents)
+        outputs = _brute_force(model, *inputs) if brute_force else model(*inputs)
+        sum((logits.reshape(1, 10, 20) * w).sum() for logits, w in zip(outputs, weights, strict=True)).backward()
+        gradients.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert gradients[0].keys() == gradients[1].keys() and "layers.0.self_attn.k_proj.weight" in gradients[0]
+    for name, grad in gradients[0].items():
+        torch.testing.assert_close(grad, gradients[1][name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_document_spans_of_a_packed_row_with_padding() -> None:
+    spans = DocumentSpans.of(torch.tensor([[0, 0, 1, 2, 2, 2, -1, -1]]))
+    assert spans.spans == ((0, 2, False), (2, 3, False), (3, 6, False), (6, 8, True))
+    with pytest.raises(ValueError, match="one row"):
+        DocumentSpans.of(torch.zeros(2, 4, dtype=torch.long))
 
 
 def _packed_inputs(length: int, sizes: list[int], generator: torch.Generator, verifier: dict = TINY_VERIFIER) -> tuple:
@@ -104,12 +121,13 @@ def _packed_inputs(length: int, sizes: list[int], generator: torch.Generator, ve
 
 @pytest.mark.parametrize("length", [256, 200])
 def test_flex_block_masks_give_the_dense_mask_result(length: int) -> None:
-    """The block-sparse flex path (CUDA training) equals the dense-mask path, padding to the block size included."""
+    """The block-sparse flex path (CUDA training) equals the per-document path, padding included (flex pads the
+    row to its block size; the per-document path gets a padding run at the row's end)."""
     model = _drafter()
     aux, step_ids, positions, documents = _packed_inputs(length, [70, 100, 25], torch.Generator().manual_seed(1))
     with torch.no_grad():
         dense = model(aux, step_ids, positions, documents)
-        model.attention = "flex"
+        model.use_flex_attention()
         flex = model(aux, step_ids, positions, documents)
     real = documents[0] >= 0
     for step in range(3):

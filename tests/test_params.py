@@ -68,6 +68,9 @@ BAD = [
     ("baseline.train.dtype", "float16", "baseline.train.dtype:"),
     ("train.gpus", 0, "train.gpus: Input should be greater than or equal to 1"),
     ("train.shard_window", 0, "train.shard_window:"),
+    ("train.epochs", {"float32": 3}, "train.epochs: a mapping needs a count for both bfloat16 and float32"),
+    ("train.epochs", {"bfloat16": 4, "float32": 0}, "train.epochs: epochs must be at least 1, got {'bfloat16': 4"),
+    ("train.epochs", 0, "train.epochs: epochs must be at least 1, got 0"),
     ("train.nodes", 2, "train.rdzv_endpoint: required when nodes > 1"),
     ("train.rdzv_endpoint", "host0", "train.rdzv_endpoint: 'host0' is not host:port"),
     ("extract.backend", "sglang", "extract.backend: Input should be 'hf' or 'vllm'"),
@@ -222,3 +225,5 @@ def test_shipped_presets_validate_and_list_every_stage_section(
     expected = {"default": (False, 0, 0), "quality": (True, 2, 0), "gpu": (True, 2, 4000)}[preset]
     generate = params.generate
     assert (params.train.norm_before_residual, generate.sampled_responses, generate.self_prompts.count) == expected
+    if preset == "quality":  # one time budget on CPUs with and without native bf16: fp32 trains fewer epochs
+        assert (params.train.resolved("bfloat16").epochs, params.train.resolved("float32").epochs) == (4, 3)

@@ -367,6 +367,7 @@ def train(
 
     inputs = _read_inputs(section, where, sample_share)
     device = resolve_device(section.device)
+    section = section.resolved(dtype_name(section.dtype, device))
     parallel = DataParallel.from_env(device, section.fsdp)
     drafter, head = _build_drafter(section, where, inputs.extract["contract"], device, parallel)
     if section.finetune_from:  # an input too, once start_from has checked it is a drafter
