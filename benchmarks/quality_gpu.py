@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,6 +34,9 @@ from harness import cpu_flags, cpu_name, write_report
 STAGES = ("prepare", "generate", "extract", "vocab", "baseline", "train", "evaluate", "benchmark", "register")
 INTERRUPTED = 75  # EX_TEMPFAIL: stopped at the deadline, run again
 CALLS = Path(".quality_gpu_calls.json")  # one row per `run` call, beside the project's other local state
+LOCK_KEPT = Path(".quality_gpu_dvc.lock")
+"""dvc.lock as the last call left it. A machine that mirrors the working tree at each call deletes an untracked
+dvc.lock; without it `dvc exp run` reran every stage from scratch (baseline and train from step 0)."""
 
 
 @click.group()
@@ -48,6 +52,9 @@ def main() -> None:
 def run(deadline_s: float, preset: str, target: str | None, overrides: tuple[str, ...]) -> None:
     """``dvc exp run -S preset=<preset>`` until it finishes or the deadline; an interrupted stage resumes next time."""
     started = time.time()
+    if LOCK_KEPT.is_file() and not Path("dvc.lock").is_file():
+        shutil.copyfile(LOCK_KEPT, "dvc.lock")
+        click.echo(f"dvc.lock restored from {LOCK_KEPT}")
     settings = [arg for override in (f"preset={preset}", *overrides) for arg in ("-S", override)]
     command = ["dvc", "exp", "run", *settings, *([target] if target else [])]
     process = subprocess.Popen(command, start_new_session=True)
@@ -62,6 +69,8 @@ def run(deadline_s: float, preset: str, target: str | None, overrides: tuple[str
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             code = process.wait()
+    if Path("dvc.lock").is_file():
+        shutil.copyfile("dvc.lock", LOCK_KEPT)
     calls = json.loads(CALLS.read_text()) if CALLS.is_file() else []
     seconds = time.time() - started
     calls.append({"command": command, "started": started, "seconds": seconds, "interrupted": interrupted})
