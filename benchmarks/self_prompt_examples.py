@@ -35,7 +35,10 @@ SAMPLES_PER_CATEGORY = 2
 @click.option("--out", type=click.Path(path_type=Path), default=None)
 def main(settings: tuple[int, ...], candidates: int, backend: str | None, params_file: Path, out: Path | None) -> None:
     params = load_params(params_file)
-    section = params.generate.model_copy(update={"backend": backend or params.generate.backend})
+    writing = params.generate.self_prompts.model_copy(update={"count": candidates, "max_candidates": candidates})
+    # the engine as the stage builds it for self prompts (on CPU vLLM: whole prefills, which seeded sampling needs)
+    chosen = backend or params.generate.backend
+    section = params.generate.model_copy(update={"backend": chosen, "self_prompts": writing})
     conversations = _read_conversations(section)
     heldout, known, shipped = _prompt_pools(conversations)
     device = resolve_device(section.device)
@@ -43,9 +46,7 @@ def main(settings: tuple[int, ...], candidates: int, backend: str | None, params
     tokenizer = load_tokenizer(VERIFIER)
     rows = {}
     for examples in settings:
-        wanted = section.self_prompts.model_copy(
-            update={"examples": examples, "count": candidates, "max_candidates": candidates}
-        )
+        wanted = section.self_prompts.model_copy(update={"examples": examples})
         contexts = WritingContexts(tokenizer, section.chat_template_kwargs, wanted, shipped)
         torch.manual_seed(wanted.seed)  # as the stage does: the hf backend samples from the global generator
         started = time.perf_counter()
