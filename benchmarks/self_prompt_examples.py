@@ -39,7 +39,7 @@ def main(settings: tuple[int, ...], candidates: int, backend: str | None, params
     # the engine as the stage builds it for self prompts (on CPU vLLM: whole prefills, which seeded sampling needs)
     chosen = backend or params.generate.backend
     section = params.generate.model_copy(update={"backend": chosen, "self_prompts": writing})
-    conversations = _read_conversations(section)
+    conversations, _ = _read_conversations(section)
     heldout, known, shipped = _prompt_pools(conversations)
     device = resolve_device(section.device)
     engine = _make_backend(VERIFIER, section)

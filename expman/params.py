@@ -17,7 +17,16 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from expman.errors import ExpmanError
 
@@ -119,6 +128,9 @@ class DatasetSpec(Section):
     format: Literal["auto", "prompts", "sharegpt", "openai"] = "auto"
     max_samples: int | None = Field(default=None, ge=1)
     """Use only the first N records (None: all)."""
+    sampled_responses: int | None = Field(default=None, ge=0, le=64)
+    """Sampled responses per conversation of this train file; None = ``generate.sampled_responses``. More for
+    the prompts that look like the traffic to serve (a small own prompt set), fewer for bulk ones."""
 
     @field_validator("path")
     @classmethod
@@ -126,6 +138,14 @@ class DatasetSpec(Section):
         if not (_root(info) / value).is_file():
             raise ValueError(f"file not found: {value}")
         return value
+
+    @model_validator(mode="after")
+    def _heldout_answered_once(self) -> DatasetSpec:
+        if self.split == "heldout" and self.sampled_responses:
+            raise ValueError(
+                f"{self.path}: sampled_responses on a heldout dataset (held-out prompts are answered once)"
+            )
+        return self
 
 
 class SelfPromptParams(Section):
@@ -150,6 +170,8 @@ class SelfPromptParams(Section):
     examples: int = Field(default=0, ge=0, le=16)
     """Shipped train prompts of one category shown as earlier user turns before each candidate (the categories in
     turn), so the written prompts follow the shipped categories; 0 = the bare user-turn prefix."""
+    sampled_responses: int | None = Field(default=None, ge=0, le=64)
+    """Sampled responses per written prompt; None = ``generate.sampled_responses``."""
 
 
 class GenerateParams(Section):
@@ -187,6 +209,15 @@ class GenerateParams(Section):
         if not any(d.split == "train" for d in value):
             raise ValueError("at least one dataset must have split: train")
         return value
+
+    def samples(self) -> bool:
+        """Whether any response or prompt is sampled (not greedy)."""
+        counts = [
+            self.sampled_responses,
+            self.self_prompts.sampled_responses,
+            *(d.sampled_responses for d in self.datasets),
+        ]
+        return self.temperature > 0 or self.self_prompts.count > 0 or any(counts)
 
 
 class ExtractParams(Section):

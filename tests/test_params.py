@@ -115,6 +115,15 @@ def test_extract_over_several_gpus_on_cpu_is_refused(project: Path) -> None:
         load_params("bad.yaml")
 
 
+def test_sampled_responses_on_heldout_prompts_are_refused(project: Path) -> None:
+    data = yaml.safe_load((project / "params.yaml").read_text())
+    data["generate"]["datasets"][1]["sampled_responses"] = 2
+    (project / "bad.yaml").write_text(yaml.safe_dump(data))
+    expected = r"^bad.yaml: generate.datasets\[1\]: prompts/heldout.jsonl: sampled_responses on a heldout dataset"
+    with pytest.raises(ExpmanError, match=expected):
+        load_params("bad.yaml")
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from expman import paths
@@ -246,6 +247,30 @@ def test_sampled_responses_add_seeded_copies_of_train_prompts(project: Path) -> 
     shutil.rmtree(project / paths.GENERATED)
     run_until("generate")
     assert {p.name: p.read_bytes() for p in (project / paths.GENERATED / "train").glob("*.jsonl")} == first
+
+
+def test_a_train_file_sets_its_own_sampled_responses(project: Path) -> None:
+    """The file's count overrides the section's for its prompts only; the copies go in rounds (every first copy,
+    then every second one), so raising one file's count appends shards and leaves the earlier ones as they were."""
+    lines = (project / "prompts/train.jsonl").read_text().splitlines()
+    (project / "prompts/train.jsonl").write_text("\n".join(lines[:7]) + "\n")
+    (project / "prompts/own.jsonl").write_text("\n".join(lines[7:]) + "\n")
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    own = {"path": "prompts/own.jsonl", "split": "train", "sampled_responses": 3}
+    params["generate"] |= {
+        "sampled_responses": 1,
+        "shard_size": 100,
+        "datasets": [*params["generate"]["datasets"], own],
+    }
+    (project / "params.yaml").write_text(yaml.safe_dump(params))
+    run_until("generate")
+    ids = [r["id"] for r in read_responses(project / paths.GENERATED, "train")]
+    bulk = [json.loads(line)["id"] for line in lines[:7]]
+    mine = [json.loads(line)["id"] for line in lines[7:]]
+    originals = bulk + mine
+    rounds = [f"{i}~s1" for i in originals] + [f"{i}~s{k}" for k in (2, 3) for i in mine]
+    assert ids == originals + rounds
+    assert len(read_responses(project / paths.GENERATED, "heldout")) == 4
 
 
 def test_a_failed_shard_write_fails_the_stage_and_leaves_no_manifest(

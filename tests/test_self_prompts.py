@@ -174,6 +174,13 @@ def test_generate_answers_the_prompts_it_wrote_and_records_what_it_dropped(proje
     (project / paths.GENERATE_STATE / "self_prompts/prompts.jsonl.done.json").unlink()
     generate(loaded, GeneratePaths.default())  # written again: the same seed gives the same prompts
     assert (project / paths.GENERATED / "self_prompts/prompts.jsonl").read_bytes() == first
+    once_more = loaded.generate.self_prompts.model_copy(update={"sampled_responses": 1})  # the shipped ones: 0
+    generate(
+        loaded.model_copy(update={"generate": loaded.generate.model_copy(update={"self_prompts": once_more})}),
+        GeneratePaths.default(),
+    )
+    copies = [r["id"] for r in read_responses(project / paths.GENERATED, "train") if "~s" in r["id"]]
+    assert copies == [f"{r['id']}~s1" for r in self_written]
 
     import mlflow
 

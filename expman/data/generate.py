@@ -247,17 +247,29 @@ def _write_jsonl(records: list[dict[str, Any]]) -> Any:
     return write
 
 
-def _read_conversations(section: GenerateParams) -> dict[str, list[Conversation]]:
-    """Every dataset's conversations by split; an id may appear once across all of them."""
+def _read_conversations(section: GenerateParams) -> tuple[dict[str, list[Conversation]], dict[str, int]]:
+    """Every dataset's conversations by split (an id may appear once across all of them), and how many sampled
+    responses each train conversation gets (its file's ``sampled_responses``, else the section's)."""
     conversations: dict[str, list[Conversation]] = {}
+    copies: dict[str, int] = {}
     seen: dict[str, str] = {}
     for spec in section.datasets:
+        count = section.sampled_responses if spec.sampled_responses is None else spec.sampled_responses
         for conversation in read_dataset(spec, Path.cwd(), section.max_turns):
             if conversation.id in seen:
                 raise ExpmanError(f"{spec.path}: id {conversation.id!r} also appears in {seen[conversation.id]}")
             seen[conversation.id] = spec.path
             conversations.setdefault(spec.split, []).append(conversation)
-    return conversations
+            if spec.split == "train":
+                copies[conversation.id] = count
+    return conversations, copies
+
+
+def _sampled_copies(originals: list[Conversation], copies: dict[str, int]) -> list[Conversation]:
+    """The sampled copies of the train conversations: every first copy, then every second one, and so on, so
+    raising one file's count leaves the shards of the copies before it as they were."""
+    most = max(copies.values(), default=0)
+    return [c.sampled(k) for k in range(1, most + 1) for c in originals if copies[c.id] >= k]
 
 
 def _write_split(
@@ -303,7 +315,7 @@ def generate(params: Params, where: GeneratePaths) -> dict[str, Any]:
     section = params.generate
     precision = precision_facts(resolve_device(section.device), section.dtype)
     verifier_manifest = read_manifest(where.verifier / "manifest.json", "prepare")
-    conversations = _read_conversations(section)
+    conversations, copies = _read_conversations(section)
     upstream = {"prepare": upstream_entry(where.verifier / "manifest.json", verifier_manifest)}
     settings = {
         "verifier_weights": verifier_manifest["verifier"]["weights_sha256"],
@@ -319,9 +331,13 @@ def generate(params: Params, where: GeneratePaths) -> dict[str, Any]:
         if section.self_prompts.count:
             backend, self_prompted = _self_prompts(where.verifier, section, settings, conversations, where.state)
             run.log_metrics(_self_prompt_metrics(self_prompted))
+        written = section.self_prompts.sampled_responses
         originals = conversations.get("train", [])
-        for k in range(1, section.sampled_responses + 1):  # after the originals: their shards stay as they were
-            conversations["train"] = conversations["train"] + [c.sampled(k) for c in originals]
+        for conversation in originals:  # those no dataset file gave: the written prompts
+            copies.setdefault(conversation.id, section.sampled_responses if written is None else written)
+        conversations["train"] = originals + _sampled_copies(
+            originals, copies
+        )  # the originals' shards stay as they were
         splits: dict[str, Any] = {}
         started = time.perf_counter()
         new_tokens = 0

@@ -162,7 +162,7 @@ class VllmGenerator:
         dtype = dtype_name(params.dtype, device)
         self.params = params
         whole_prefills = {}
-        if device == "cpu" and (params.temperature > 0 or params.sampled_responses > 0 or params.self_prompts.count):
+        if device == "cpu" and params.samples():
             # vLLM CPU 0.32 crashes ("CPU Generator does not use offset") when it rewinds a seeded request's
             # generator after a partial prefill; with chunked prefill off every prefill is whole
             length = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings", 8192)
