@@ -251,7 +251,7 @@ def test_sampled_responses_add_seeded_copies_of_train_prompts(project: Path) -> 
 
 def test_a_train_file_sets_its_own_sampled_responses(project: Path) -> None:
     """The file's count overrides the section's for its prompts only; the copies go in rounds (every first copy,
-    then every second one), so raising one file's count appends shards and leaves the earlier ones as they were."""
+    then every second one), so with equal counts the order is the one before per-file counts existed."""
     lines = (project / "prompts/train.jsonl").read_text().splitlines()
     (project / "prompts/train.jsonl").write_text("\n".join(lines[:7]) + "\n")
     (project / "prompts/own.jsonl").write_text("\n".join(lines[7:]) + "\n")

@@ -266,8 +266,8 @@ def _read_conversations(section: GenerateParams) -> tuple[dict[str, list[Convers
 
 
 def _sampled_copies(originals: list[Conversation], copies: dict[str, int]) -> list[Conversation]:
-    """The sampled copies of the train conversations: every first copy, then every second one, and so on, so
-    raising one file's count leaves the shards of the copies before it as they were."""
+    """The sampled copies of the train conversations: every first copy, then every second one, and so on (with
+    one count for all, the order and so the shards of a run made before per-file counts)."""
     most = max(copies.values(), default=0)
     return [c.sampled(k) for k in range(1, most + 1) for c in originals if copies[c.id] >= k]
 
@@ -335,9 +335,7 @@ def generate(params: Params, where: GeneratePaths) -> dict[str, Any]:
         originals = conversations.get("train", [])
         for conversation in originals:  # those no dataset file gave: the written prompts
             copies.setdefault(conversation.id, section.sampled_responses if written is None else written)
-        conversations["train"] = originals + _sampled_copies(
-            originals, copies
-        )  # the originals' shards stay as they were
+        conversations["train"] = originals + _sampled_copies(originals, copies)  # originals first: shards stay
         splits: dict[str, Any] = {}
         started = time.perf_counter()
         new_tokens = 0
