@@ -5,6 +5,9 @@ A machine that runs a command for at most a few minutes at a time runs the graph
 resumes where the last one stopped (generate and extract by shard, train from its last checkpoint):
 
   python benchmarks/quality_gpu.py run --deadline-s 540     # exits 75 at the deadline: run it again
+
+Keep the deadline under the call's limit with room for what the call does after it: a call cut at its limit leaves
+its ``dvc exp run`` running or exiting, holding DVC's lock; the next ``run`` waits for it (within its deadline).
   python benchmarks/quality_gpu.py report --device-seconds 1500 --out benchmarks/results/quality_gpu_h200.json
 
 Then, where vLLM is installed, the benchmark stage serves the GPU-trained drafters (``dvc repro benchmark`` with
@@ -34,6 +37,7 @@ from harness import cpu_flags, cpu_name, write_report
 STAGES = ("prepare", "generate", "extract", "vocab", "baseline", "train", "evaluate", "benchmark", "register")
 INTERRUPTED = 75  # EX_TEMPFAIL: stopped at the deadline, run again
 CALLS = Path(".quality_gpu_calls.json")  # one row per `run` call, beside the project's other local state
+RWLOCK = Path(".dvc/tmp/rwlock")  # DVC's record of the processes that hold the project's outputs
 LOCK_KEPT = Path(".quality_gpu_dvc.lock")
 """dvc.lock as the last call left it. A machine that mirrors the working tree at each call deletes an untracked
 dvc.lock; without it `dvc exp run` reran every stage from scratch (baseline and train from step 0)."""
@@ -52,6 +56,9 @@ def main() -> None:
 def run(deadline_s: float, preset: str, target: str | None, overrides: tuple[str, ...]) -> None:
     """``dvc exp run -S preset=<preset>`` until it finishes or the deadline; an interrupted stage resumes next time."""
     started = time.time()
+    if not _wait_for_lock_holders(deadline_s):
+        click.echo(f"an earlier dvc run still holds {RWLOCK} at the deadline: run again")
+        sys.exit(INTERRUPTED)
     if LOCK_KEPT.is_file() and not Path("dvc.lock").is_file():
         shutil.copyfile(LOCK_KEPT, "dvc.lock")
         click.echo(f"dvc.lock restored from {LOCK_KEPT}")
@@ -60,7 +67,7 @@ def run(deadline_s: float, preset: str, target: str | None, overrides: tuple[str
     process = subprocess.Popen(command, start_new_session=True)
     interrupted = False
     try:
-        code = process.wait(timeout=max(deadline_s, 1.0))
+        code = process.wait(timeout=max(deadline_s - (time.time() - started), 1.0))
     except subprocess.TimeoutExpired:
         interrupted = True
         os.killpg(process.pid, signal.SIGINT)  # the stage's KeyboardInterrupt; shards and checkpoints stay
@@ -80,6 +87,47 @@ def run(deadline_s: float, preset: str, target: str | None, overrides: tuple[str
         sys.exit(INTERRUPTED)
     click.echo("graph finished" if code == 0 else f"graph failed (exit {code})")
     sys.exit(code)
+
+
+def lock_holders() -> set[int]:
+    """The live processes named in DVC's rwlock: a call cut at its time limit leaves its ``dvc exp run`` exiting
+    (or still running the graph), and a second run started meanwhile is refused as busy."""
+    try:
+        lock = json.loads(RWLOCK.read_text())
+    except (OSError, ValueError):
+        return set()
+    pids: set[int] = set()
+    pending: list[Any] = [lock]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, dict):
+            pids.update([node["pid"]] if isinstance(node.get("pid"), int) else [])
+            pending.extend(node.values())
+        elif isinstance(node, list):
+            pending.extend(node)
+    return {pid for pid in pids if _alive(pid)}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _wait_for_lock_holders(seconds: float) -> bool:
+    """Wait up to ``seconds`` for the processes holding DVC's lock to exit; whether they did."""
+    until = time.time() + seconds
+    holders = lock_holders()
+    if holders:
+        click.echo(f"waiting for the earlier dvc run (pids {sorted(holders)}) to release {RWLOCK}")
+    while holders and time.time() < until:
+        time.sleep(2)
+        holders = lock_holders()
+    return not holders
 
 
 def _stage_runs() -> dict[str, list[dict[str, Any]]]:

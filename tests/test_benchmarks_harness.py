@@ -1,12 +1,14 @@
 """benchmarks/harness.py's report writer: every result JSON records where it was measured (machine facts and
 package versions), and a report that fails (to serialize, or before its rename) leaves no partial or temporary
-file and the earlier report intact."""
+file and the earlier report intact. benchmarks/quality_gpu.py run waits for an earlier run that still holds DVC's
+lock."""
 
 from __future__ import annotations
 
 import importlib
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -44,3 +46,27 @@ def test_report_holds_machine_facts_and_is_written_atomically(tmp_path: Path, mo
     with pytest.raises(TypeError):
         harness.write_report(fresh, {"value": {1, 2}})
     assert not fresh.exists()
+
+
+def test_quality_gpu_run_sees_only_live_holders_of_the_dvc_lock(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    quality_gpu = importlib.import_module("quality_gpu")
+    monkeypatch.chdir(tmp_path)
+    assert quality_gpu.lock_holders() == set()  # no lock file: nobody
+    child = subprocess.Popen(["sleep", "60"])
+    finished = subprocess.Popen(["true"])
+    finished.wait()
+    lock = {
+        "write": {str(tmp_path / "models/verifier"): {"pid": child.pid, "cmd": "dvc exp run"}},
+        "read": {str(tmp_path / "params.yaml"): [{"pid": finished.pid, "cmd": "dvc exp run"}]},
+    }
+    (tmp_path / ".dvc/tmp").mkdir(parents=True)
+    (tmp_path / ".dvc/tmp/rwlock").write_text(json.dumps(lock))
+    try:
+        assert quality_gpu.lock_holders() == {child.pid}
+        assert not quality_gpu._wait_for_lock_holders(0.1)
+    finally:
+        child.kill()
+        child.wait()
+    assert quality_gpu.lock_holders() == set()
+    assert quality_gpu._wait_for_lock_holders(0.1)
