@@ -96,16 +96,9 @@ def lock_holders() -> set[int]:
         lock = json.loads(RWLOCK.read_text())
     except (OSError, ValueError):
         return set()
-    pids: set[int] = set()
-    pending: list[Any] = [lock]
-    while pending:
-        node = pending.pop()
-        if isinstance(node, dict):
-            pids.update([node["pid"]] if isinstance(node.get("pid"), int) else [])
-            pending.extend(node.values())
-        elif isinstance(node, list):
-            pending.extend(node)
-    return {pid for pid in pids if _alive(pid)}
+    # DVC's format: {"write": {path: {"pid", "cmd"}}, "read": {path: [{"pid", "cmd"}, ...]}}
+    holders = [*lock.get("write", {}).values(), *(h for hs in lock.get("read", {}).values() for h in hs)]
+    return {h["pid"] for h in holders if _alive(h["pid"])}
 
 
 def _alive(pid: int) -> bool:
@@ -113,8 +106,8 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # alive, another user's
+        pass
     return True
 
 

@@ -266,8 +266,8 @@ def _read_conversations(section: GenerateParams) -> tuple[dict[str, list[Convers
 
 
 def _sampled_copies(originals: list[Conversation], copies: dict[str, int]) -> list[Conversation]:
-    """The sampled copies of the train conversations: every first copy, then every second one, and so on (with
-    one count for all, the order and so the shards of a run made before per-file counts)."""
+    """The sampled copies of the train conversations: every first copy, then every second one, and so on: with
+    one count for all files, the order (and so the shards) of a run made before per-file counts."""
     most = max(copies.values(), default=0)
     return [c.sampled(k) for k in range(1, most + 1) for c in originals if copies[c.id] >= k]
 
