@@ -2,7 +2,8 @@
 report: stage times, data sizes, reference τ per k and per category, and the engine's τ of the same drafter.
 
 A machine that runs a command for at most a few minutes at a time runs the graph in several calls; each call
-resumes where the last one stopped (generate and extract by shard, train from its last checkpoint):
+resumes where the last one stopped (generate and extract by shard, train from its last checkpoint, evaluate
+by prompt):
 
   python benchmarks/quality_gpu.py run --deadline-s 540     # exits 75 at the deadline: run it again
 
@@ -38,9 +39,11 @@ STAGES = ("prepare", "generate", "extract", "vocab", "baseline", "train", "evalu
 INTERRUPTED = 75  # EX_TEMPFAIL: stopped at the deadline, run again
 CALLS = Path(".quality_gpu_calls.json")  # one row per `run` call, beside the project's other local state
 RWLOCK = Path(".dvc/tmp/rwlock")  # DVC's record of the processes that hold the project's outputs
-LOCK_KEPT = Path(".quality_gpu_dvc.lock")
-"""dvc.lock as the last call left it. A machine that mirrors the working tree at each call deletes an untracked
-dvc.lock; without it `dvc exp run` reran every stage from scratch (baseline and train from step 0)."""
+KEPT = Path(".quality_gpu_kept")  # git-ignored: the graph's unignored outputs as the last call left them
+KEPT_PATHS = ("dvc.lock", "metrics", "plots")
+"""A machine that mirrors the working tree at each call deletes untracked files that are not ignored: without
+dvc.lock `dvc exp run` reran every stage from scratch (baseline and train from step 0), and without a stage's
+metrics or plots (``cache: false`` outputs) it reruns that stage."""
 
 
 @click.group()
@@ -51,7 +54,7 @@ def main() -> None:
 @main.command()
 @click.option("--deadline-s", type=float, default=540.0, help="Interrupt the graph cleanly after this long.")
 @click.option("--preset", default="gpu")
-@click.option("--target", default=None, help="Run the graph up to this stage only (evaluate does not resume).")
+@click.option("--target", default=None, help="Run the graph up to this stage only.")
 @click.option("--set", "overrides", multiple=True, help="To dvc exp run -S: presets/gpu.yaml:train.lr=3e-4")
 def run(deadline_s: float, preset: str, target: str | None, overrides: tuple[str, ...]) -> None:
     """``dvc exp run -S preset=<preset>`` until it finishes or the deadline; an interrupted stage resumes next time."""
@@ -59,9 +62,7 @@ def run(deadline_s: float, preset: str, target: str | None, overrides: tuple[str
     if not _wait_for_lock_holders(deadline_s):
         click.echo(f"an earlier dvc run still holds {RWLOCK} at the deadline: run again")
         sys.exit(INTERRUPTED)
-    if LOCK_KEPT.is_file() and not Path("dvc.lock").is_file():
-        shutil.copyfile(LOCK_KEPT, "dvc.lock")
-        click.echo(f"dvc.lock restored from {LOCK_KEPT}")
+    restore_kept()
     settings = [arg for override in (f"preset={preset}", *overrides) for arg in ("-S", override)]
     command = ["dvc", "exp", "run", *settings, *([target] if target else [])]
     process = subprocess.Popen(command, start_new_session=True)
@@ -76,8 +77,7 @@ def run(deadline_s: float, preset: str, target: str | None, overrides: tuple[str
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             code = process.wait()
-    if Path("dvc.lock").is_file():
-        shutil.copyfile("dvc.lock", LOCK_KEPT)
+    keep()
     calls = json.loads(CALLS.read_text()) if CALLS.is_file() else []
     seconds = time.time() - started
     calls.append({"command": command, "started": started, "seconds": seconds, "interrupted": interrupted})
@@ -87,6 +87,38 @@ def run(deadline_s: float, preset: str, target: str | None, overrides: tuple[str
         sys.exit(INTERRUPTED)
     click.echo("graph finished" if code == 0 else f"graph failed (exit {code})")
     sys.exit(code)
+
+
+def keep() -> None:
+    """Copy dvc.lock, metrics/ and plots/ into KEPT, replacing the copies an earlier call kept."""
+    for name in KEPT_PATHS:
+        source, copy = Path(name), KEPT / name
+        if not source.exists():
+            continue
+        staging = KEPT / f".{name}.new"
+        shutil.rmtree(staging, ignore_errors=True)
+        KEPT.mkdir(exist_ok=True)
+        _copy(source, staging)
+        if copy.is_dir():
+            shutil.rmtree(copy)
+        staging.replace(copy)
+
+
+def restore_kept() -> None:
+    """Put back what KEPT holds and the working tree lacks (a mirrored tree lost it); never overwrite."""
+    for name in KEPT_PATHS:
+        source, copy = Path(name), KEPT / name
+        if source.exists() or not copy.exists():
+            continue
+        _copy(copy, source)
+        click.echo(f"{name} restored from {KEPT}")
+
+
+def _copy(source: Path, target: Path) -> None:
+    if source.is_dir():
+        shutil.copytree(source, target)
+    else:
+        shutil.copyfile(source, target)
 
 
 def lock_holders() -> set[int]:

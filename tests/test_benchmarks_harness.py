@@ -1,13 +1,14 @@
 """benchmarks/harness.py's report writer: every result JSON records where it was measured (machine facts and
 package versions), and a report that fails (to serialize, or before its rename) leaves no partial or temporary
 file and the earlier report intact. benchmarks/quality_gpu.py run waits for an earlier run that still holds DVC's
-lock."""
+lock, and puts back the outputs a mirrored working tree lost between calls."""
 
 from __future__ import annotations
 
 import importlib
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -70,3 +71,26 @@ def test_quality_gpu_run_sees_only_live_holders_of_the_dvc_lock(tmp_path: Path, 
         child.wait()
     assert quality_gpu.lock_holders() == set()
     assert quality_gpu._wait_for_lock_holders(0.1)
+
+
+def test_quality_gpu_run_puts_back_what_a_mirrored_tree_lost_and_nothing_else(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    quality_gpu = importlib.import_module("quality_gpu")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics/baseline.json").write_text('{"sim_tau_k3": 1.9}')
+    (tmp_path / "plots/train").mkdir(parents=True)
+    (tmp_path / "plots/train/loss.csv").write_text("step,loss\n1,2.0\n")
+    (tmp_path / "dvc.lock").write_text("schema: '2.0'\n")
+    quality_gpu.keep()
+    (tmp_path / "metrics/baseline.json").write_text('{"sim_tau_k3": 2.0}')
+    quality_gpu.keep()  # a later call replaces the kept copies
+    assert (tmp_path / ".quality_gpu_kept/metrics/baseline.json").read_text() == '{"sim_tau_k3": 2.0}'
+
+    for lost in ("metrics", "plots"):  # the mirror deletes untracked, unignored outputs
+        shutil.rmtree(tmp_path / lost)
+    (tmp_path / "dvc.lock").write_text("schema: '2.0'\nstages: {}\n")  # this one the graph rewrote: keep it
+    quality_gpu.restore_kept()
+    assert (tmp_path / "metrics/baseline.json").read_text() == '{"sim_tau_k3": 2.0}'
+    assert (tmp_path / "plots/train/loss.csv").read_text() == "step,loss\n1,2.0\n"
+    assert (tmp_path / "dvc.lock").read_text() == "schema: '2.0'\nstages: {}\n"
