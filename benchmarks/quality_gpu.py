@@ -92,33 +92,27 @@ def run(deadline_s: float, preset: str, target: str | None, overrides: tuple[str
 def keep() -> None:
     """Copy dvc.lock, metrics/ and plots/ into KEPT, replacing the copies an earlier call kept."""
     for name in KEPT_PATHS:
-        source, copy = Path(name), KEPT / name
-        if not source.exists():
-            continue
-        staging = KEPT / f".{name}.new"
-        shutil.rmtree(staging, ignore_errors=True)
-        KEPT.mkdir(exist_ok=True)
-        _copy(source, staging)
-        if copy.is_dir():
-            shutil.rmtree(copy)
-        staging.replace(copy)
+        if Path(name).exists():
+            _copy_whole(Path(name), KEPT / name)
 
 
 def restore_kept() -> None:
     """Put back what KEPT holds and the working tree lacks (a mirrored tree lost it); never overwrite."""
     for name in KEPT_PATHS:
-        source, copy = Path(name), KEPT / name
-        if source.exists() or not copy.exists():
-            continue
-        _copy(copy, source)
-        click.echo(f"{name} restored from {KEPT}")
+        if (KEPT / name).exists() and not Path(name).exists():
+            _copy_whole(KEPT / name, Path(name))
+            click.echo(f"{name} restored from {KEPT}")
 
 
-def _copy(source: Path, target: Path) -> None:
+def _copy_whole(source: Path, target: Path) -> None:
+    """Copy a file or folder so that ``target`` is never half-written (a call cut at its limit)."""
+    from expman.provenance import atomic_dir, atomic_write
+
     if source.is_dir():
-        shutil.copytree(source, target)
+        with atomic_dir(target) as tmp:
+            shutil.copytree(source, tmp, dirs_exist_ok=True)
     else:
-        shutil.copyfile(source, target)
+        atomic_write(target, lambda tmp: shutil.copyfile(source, tmp))
 
 
 def lock_holders() -> set[int]:
