@@ -320,3 +320,27 @@ def test_streamed_shards_read_back_as_safetensors_with_their_digest(tmp_path: Pa
         assert handle.metadata() == {"expman": '{"key": "k"}'}
     save_file(tensors, str(tmp_path / "reference.safetensors"), metadata={"expman": '{"key": "k"}'})
     assert path.read_bytes() == (tmp_path / "reference.safetensors").read_bytes()
+
+
+def test_continuous_batching_answers_as_padded_batches_do(project: Path) -> None:
+    """Greedy in float32: transformers' continuous batching gives each prompt the tokens the padded batches give,
+    EOS included, in the prompts' order (sampled copies share their prompt ids, so order is all that maps them)."""
+    from expman.data.generate import HFBackend
+
+    run_until("prepare")
+    section = load_params("params.yaml").generate
+    padded = HFBackend(paths.VERIFIER, section.model_copy(update={"hf_batching": "padded", "dtype": "float32"}))
+    continuous = HFBackend(paths.VERIFIER, section.model_copy(update={"hf_batching": "continuous", "dtype": "float32"}))
+    assert not padded.continuous and continuous.continuous
+    prompts = [
+        padded._prompt_ids([{"role": "user", "content": f"Tell me about item {n} " * (n % 4 + 1)}]) for n in range(9)
+    ]
+    prompts.append(prompts[0])
+    stop_token = padded.complete(prompts[3:4], 0.0, [0], 12)[0].output_ids[5]  # a token the verifier does write
+    for backend in (padded, continuous):
+        backend.eos_ids.add(stop_token)  # an end of turn the replies reach, so some stop and some run to the limit
+    expected = padded.complete(prompts, 0.0, [0] * len(prompts), 12)
+    got = continuous.complete(prompts, 0.0, [0] * len(prompts), 12)
+    assert {o.finish_reason for o in expected} == {"stop", "length"}
+    assert [o.prompt_ids for o in got] == prompts
+    assert [(o.output_ids, o.finish_reason) for o in got] == [(o.output_ids, o.finish_reason) for o in expected]

@@ -8,6 +8,7 @@ assistant turns are regenerated in order; the last one is the training target.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import time
@@ -29,10 +30,16 @@ from expman.registry.tracking import stage_run
 __all__ = ["generate", "read_responses"]
 
 SHARD_COUNTS = ("records", "failed", "prompt_tokens", "response_tokens")
+NOT_IN_SETTINGS = frozenset(
+    ("datasets", "self_prompts", "shard_size", "batch_size", "hf_batching", "device", "tensor_parallel_size")
+)
+"""generate keys left out of a shard's settings: datasets and self prompts are keyed by themselves; the others change
+how responses are computed, not what they are, so shards made under other values stay valid."""
 
 
 class HFBackend:
-    """Batched greedy (or sampled) generation with transformers; left padding, one prompt length bucket per batch."""
+    """Generation with transformers on the verifier's device: continuous batching (paged KV cache) or left-padded
+    batches through ``generate`` (``generate.hf_batching``)."""
 
     def __init__(self, model_dir: Path, params: GenerateParams):
         from expman.data.verifier import load_tokenizer, load_verifier
@@ -40,6 +47,9 @@ class HFBackend:
 
         self.params = params
         self.device = resolve_device(params.device)
+        self.continuous = params.hf_batching == "continuous" or (
+            params.hf_batching == "auto" and self.device.startswith("cuda")
+        )
         self.tokenizer = load_tokenizer(model_dir)
         self.tokenizer.padding_side = "left"
         self.model = load_verifier(model_dir, self.device, resolve_dtype(params.dtype, self.device))
@@ -65,35 +75,72 @@ class HFBackend:
         self, prompts: Sequence[list[int]], temperature: float, seeds: Sequence[int], max_new_tokens: int
     ) -> list[GenOutput]:
         """Continue each token-id prompt up to its end of turn; sampling draws from torch's global generator."""
+        if not prompts:
+            return []
+        if self.continuous:
+            replies = self._continuous(prompts, temperature, max_new_tokens)
+        else:
+            replies = self._padded(prompts, temperature, max_new_tokens)
+        return [self._output(prompt, reply) for prompt, reply in zip(prompts, replies, strict=True)]
+
+    def _sampling(self, temperature: float, max_new_tokens: int) -> Any:
+        """The verifier's generation config (its top-k/top-p defaults) at ``temperature``, stopping at any EOS."""
+        config = copy.deepcopy(self.model.generation_config)
+        sampling = {"do_sample": True, "temperature": temperature} if temperature else {"do_sample": False}
+        config.update(max_new_tokens=max_new_tokens, eos_token_id=sorted(self.eos_ids), pad_token_id=self.pad_id)
+        config.update(**sampling)
+        return config
+
+    def _padded(self, prompts: Sequence[list[int]], temperature: float, max_new_tokens: int) -> list[list[int]]:
+        """Batches of ``batch_size`` prompts of like length, left-padded; a row's tokens after its EOS are padding."""
         import torch
 
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-        results: list[GenOutput | None] = [None] * len(prompts)
-        size = self.params.batch_size
-        for start in range(0, len(order), size):
-            rows = order[start : start + size]
+        replies: list[list[int]] = [[] for _ in prompts]
+        for start in range(0, len(order), self.params.batch_size):
+            rows = order[start : start + self.params.batch_size]
             width = max(len(prompts[i]) for i in rows)
             ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
             mask = torch.zeros((len(rows), width), dtype=torch.long)
             for r, i in enumerate(rows):
                 ids[r, width - len(prompts[i]) :] = torch.tensor(prompts[i])
                 mask[r, width - len(prompts[i]) :] = 1
-            sampling = {"do_sample": True, "temperature": temperature} if temperature else {"do_sample": False}
             with torch.inference_mode():
                 out = self.model.generate(
                     input_ids=ids.to(self.device),
                     attention_mask=mask.to(self.device),
-                    max_new_tokens=max_new_tokens,
-                    pad_token_id=self.pad_id,
-                    **sampling,
+                    generation_config=self._sampling(temperature, max_new_tokens),
                 )
             for r, i in enumerate(rows):
-                generated = out[r, width:].tolist()
-                stop = next((n for n, t in enumerate(generated) if t in self.eos_ids), None)
-                kept = generated if stop is None else generated[: stop + 1]
-                text = self.tokenizer.decode(kept, skip_special_tokens=True)
-                results[i] = GenOutput(list(prompts[i]), kept, text, "length" if stop is None else "stop")
-        return [r for r in results if r is not None]
+                replies[i] = out[r, width:].tolist()
+        return replies
+
+    def _continuous(self, prompts: Sequence[list[int]], temperature: float, max_new_tokens: int) -> list[list[int]]:
+        """transformers' continuous batching: every prompt queued at once, a finished reply's KV pages reused by
+        the next prompt; it reports a failed request in its result, which is an error here."""
+        import torch
+        from transformers import ContinuousBatchingConfig
+
+        seed = int(torch.randint(0, 2**31 - 1, (1,)).item())  # from the global generator: seeded once per shard
+        results = self.model.generate_batch(
+            [list(p) for p in prompts],
+            generation_config=self._sampling(temperature, max_new_tokens),
+            continuous_batching_config=ContinuousBatchingConfig(seed=seed),
+        )
+        replies = list(results.values())
+        for n, (prompt, reply) in enumerate(zip(prompts, replies, strict=False)):
+            if reply.error or list(reply.prompt_ids) != list(prompt):
+                raise ExpmanError(f"generate: continuous batching request {n}: {reply.error or 'another prompt'}")
+        if len(replies) != len(prompts):
+            raise ExpmanError(f"generate: continuous batching returned {len(replies)} of {len(prompts)} replies")
+        return [list(reply.generated_tokens) for reply in replies]
+
+    def _output(self, prompt: list[int], generated: list[int]) -> GenOutput:
+        """The reply up to and including its first EOS; without one it stopped at the length limit."""
+        stop = next((n for n, t in enumerate(generated) if t in self.eos_ids), None)
+        kept = generated if stop is None else generated[: stop + 1]
+        text = self.tokenizer.decode(kept, skip_special_tokens=True)
+        return GenOutput(list(prompt), kept, text, "length" if stop is None else "stop")
 
 
 def _make_backend(model_dir: Path, params: GenerateParams) -> Backend:
@@ -320,9 +367,7 @@ def generate(params: Params, where: GeneratePaths) -> dict[str, Any]:
     settings = {
         "verifier_weights": verifier_manifest["verifier"]["weights_sha256"],
         "tokenizer": verifier_manifest["verifier"]["tokenizer_sha256"],
-        **section.model_dump(
-            exclude={"datasets", "shard_size", "batch_size", "device", "tensor_parallel_size", "self_prompts"}
-        ),
+        **section.model_dump(exclude=set(NOT_IN_SETTINGS)),
         "dtype": precision["dtype"],  # what auto resolved to on this machine: another dtype, other responses
     }
     with stage_run("generate", section.model_dump() | {"resolved": precision}, upstream) as run:

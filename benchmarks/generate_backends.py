@@ -1,0 +1,117 @@
+"""The hf generate backend's two batchings on one workload: left-padded batches through ``generate`` against
+transformers' continuous batching (``generate.hf_batching``), on the prepared verifier and the shipped train
+prompts, at the project's generate settings (batch size, reply length, dtype, device).
+
+Run it in a project whose prepare stage has run (on a GPU: ``preset: gpu``, or ``-S preset=gpu`` before it):
+
+  python benchmarks/generate_backends.py --requests 2048 --out benchmarks/results/generate_backends_gpu.json
+
+Each arm answers the same requests (the train prompts through the chat template, cycled to ``--requests``), sampled
+at the stage's ``sample_temperature`` as the sampled copies are, from the same seed. Its time is one call of the
+backend as the stage makes it per shard: padding, the continuous manager's start and its CUDA-graph warmup included,
+the verifier's load not. This is the backend in isolation; the generate stage end to end is in the GPU graph's
+report (``quality_gpu.py``).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+from harness import header, write_report
+
+
+def _requests(project: Path, count: int) -> list[list[int]]:
+    """The shipped train prompts' chat-template ids, cycled to ``count``."""
+    from expman.data.conversations import read_dataset
+    from expman.data.generate import HFBackend
+    from expman.params import load_params
+
+    params = load_params(project / "params.yaml")
+    section = params.generate.model_copy(update={"hf_batching": "padded"})
+    train = next(d for d in section.datasets if d.split == "train")
+    conversations = read_dataset(train, project, 1)
+    backend = HFBackend(project / "models/verifier", section)
+    prompts = [backend._prompt_ids([{"role": "user", "content": c.user_turns[0]}]) for c in conversations]
+    return [prompts[n % len(prompts)] for n in range(count)]
+
+
+def _arm(project: Path, batching: str, requests: list[list[int]], max_new_tokens: int) -> dict[str, Any]:
+    """One backend call of ``requests`` with ``batching``: seconds, reply tokens, how replies ended, peak memory."""
+    import torch
+
+    from expman.data.generate import HFBackend
+    from expman.params import load_params
+
+    section = load_params(project / "params.yaml").generate.model_copy(update={"hf_batching": batching})
+    backend = HFBackend(project / "models/verifier", section)
+    if backend.device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    torch.manual_seed(section.seed)
+    started = time.perf_counter()
+    replies = backend.complete(requests, section.sample_temperature, [section.seed] * len(requests), max_new_tokens)
+    if backend.device.startswith("cuda"):
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - started
+    tokens = sum(len(r.output_ids) for r in replies)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if backend.device.startswith("cuda") else None
+    return {
+        "seconds": seconds,
+        "reply_tokens": tokens,
+        "reply_tok_s": tokens / seconds,
+        "mean_reply_tokens": tokens / len(replies),
+        "stopped_at_limit": sum(r.finish_reason == "length" for r in replies),
+        "peak_gpu_memory_gib": peak,
+        "device": backend.device,
+    }
+
+
+@click.command()
+@click.option("--project", type=click.Path(exists=True, file_okay=False, path_type=Path), default=Path("."))
+@click.option("--requests", "count", type=int, default=2048, show_default=True)
+@click.option("--max-new-tokens", type=int, default=None, help="Default: generate.max_new_tokens.")
+@click.option(
+    "--arms",
+    default="padded,continuous,continuous:256",
+    show_default=True,
+    help="batching[:requests]; a second, smaller continuous arm splits its time into a start and a per-request part.",
+)
+@click.option("--out", type=click.Path(path_type=Path), default=None)
+def main(project: Path, count: int, max_new_tokens: int | None, arms: str, out: Path | None) -> None:
+    from expman.devices import resolve_device
+    from expman.params import load_params
+
+    section = load_params(project / "params.yaml").generate
+    length = max_new_tokens or section.max_new_tokens
+    requests = _requests(project, count)
+    report = header("generate_backends", resolve_device(section.device)) | {
+        "requests": count,
+        "prompt_tokens": sum(len(r) for r in requests),
+        "max_new_tokens": length,
+        "temperature": section.sample_temperature,
+        "batch_size": section.batch_size,
+        "dtype": section.dtype,
+        "arms": {},
+    }
+    for arm in arms.split(","):
+        batching, _, size = arm.partition(":")
+        report["arms"][arm] = _arm(project, batching, requests[: int(size or count)], length)
+        print(arm, report["arms"][arm], flush=True)
+    done = report["arms"]
+    if {"padded", "continuous"} <= done.keys():
+        report["continuous_over_padded_tok_s"] = done["continuous"]["reply_tok_s"] / done["padded"]["reply_tok_s"]
+    small = next((arm for arm in done if arm.startswith("continuous:")), None)
+    if small and "continuous" in done:  # seconds = start + tokens / rate, from the two sizes
+        rate = (done["continuous"]["reply_tokens"] - done[small]["reply_tokens"]) / (
+            done["continuous"]["seconds"] - done[small]["seconds"]
+        )
+        report["continuous_start_seconds"] = done["continuous"]["seconds"] - done["continuous"]["reply_tokens"] / rate
+        report["continuous_running_tok_s"] = rate
+    write_report(out, report)
+
+
+if __name__ == "__main__":
+    main()
