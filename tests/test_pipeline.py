@@ -322,15 +322,17 @@ def test_streamed_shards_read_back_as_safetensors_with_their_digest(tmp_path: Pa
     assert path.read_bytes() == (tmp_path / "reference.safetensors").read_bytes()
 
 
-def test_continuous_batching_answers_as_padded_batches_do(project: Path) -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_continuous_batching_answers_as_padded_batches_do(project: Path, device: str) -> None:
     """Greedy in float32: transformers' continuous batching gives each prompt the tokens the padded batches give,
     EOS included, in the prompts' order (sampled copies share their prompt ids, so order is all that maps them)."""
     from expman.data.generate import HFBackend
 
     run_until("prepare")
     section = load_params("params.yaml").generate
-    padded = HFBackend(paths.VERIFIER, section.model_copy(update={"hf_batching": "padded", "dtype": "float32"}))
-    continuous = HFBackend(paths.VERIFIER, section.model_copy(update={"hf_batching": "continuous", "dtype": "float32"}))
+    exact = {"dtype": "float32", "device": device}
+    padded = HFBackend(paths.VERIFIER, section.model_copy(update={"hf_batching": "padded"} | exact))
+    continuous = HFBackend(paths.VERIFIER, section.model_copy(update={"hf_batching": "continuous"} | exact))
     assert not padded.continuous and continuous.continuous
     prompts = [
         padded._prompt_ids([{"role": "user", "content": f"Tell me about item {n} " * (n % 4 + 1)}]) for n in range(9)
