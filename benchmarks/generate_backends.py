@@ -38,15 +38,32 @@ def _requests(project: Path, count: int) -> list[list[int]]:
     return [prompts[n % len(prompts)] for n in range(count)]
 
 
-def _arm(project: Path, batching: str, requests: list[list[int]], max_new_tokens: int) -> dict[str, Any]:
-    """One backend call of ``requests`` with ``batching``: seconds, reply tokens, how replies ended, peak memory."""
-    import torch
-
+def _backend(project: Path, arm: str) -> Any:
+    """The stage's hf backend for ``arm``: padded, continuous, or padded-static (exploratory, not a stage setting:
+    padded generate with transformers' static KV cache, which its generate compiles)."""
     from expman.data.generate import HFBackend
     from expman.params import load_params
 
+    batching = "padded" if arm == "padded-static" else arm
     section = load_params(project / "params.yaml").generate.model_copy(update={"hf_batching": batching})
     backend = HFBackend(project / "models/verifier", section)
+    if arm == "padded-static":
+        sampling = backend._sampling
+
+        def static_sampling(temperature: float, max_new_tokens: int) -> Any:
+            config = sampling(temperature, max_new_tokens)
+            config.cache_implementation = "static"
+            return config
+
+        backend._sampling = static_sampling
+    return backend, section
+
+
+def _arm(project: Path, arm: str, requests: list[list[int]], max_new_tokens: int) -> dict[str, Any]:
+    """One backend call of ``requests`` with ``arm``: seconds, reply tokens, how replies ended, peak memory."""
+    import torch
+
+    backend, section = _backend(project, arm)
     if backend.device.startswith("cuda"):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -75,9 +92,10 @@ def _arm(project: Path, batching: str, requests: list[list[int]], max_new_tokens
 @click.option("--max-new-tokens", type=int, default=None, help="Default: generate.max_new_tokens.")
 @click.option(
     "--arms",
-    default="padded,continuous,continuous:256",
+    default="padded,continuous:256,continuous",
     show_default=True,
-    help="batching[:requests]; a second, smaller continuous arm splits its time into a start and a per-request part.",
+    help="arm[:requests] in order, arm one of padded, continuous, padded-static; a smaller continuous arm beside the "
+    "full one splits its time into a start and a per-token part. The report is rewritten after each arm.",
 )
 @click.option("--out", type=click.Path(path_type=Path), default=None)
 def main(project: Path, count: int, max_new_tokens: int | None, arms: str, out: Path | None) -> None:
@@ -97,9 +115,15 @@ def main(project: Path, count: int, max_new_tokens: int | None, arms: str, out: 
         "arms": {},
     }
     for arm in arms.split(","):
-        batching, _, size = arm.partition(":")
-        report["arms"][arm] = _arm(project, batching, requests[: int(size or count)], length)
+        name, _, size = arm.partition(":")
+        report["arms"][arm] = _arm(project, name, requests[: int(size or count)], length)
         print(arm, report["arms"][arm], flush=True)
+        _summarize(report)
+        write_report(out, report)
+
+
+def _summarize(report: dict[str, Any]) -> None:
+    """The continuous arm's rate over the padded one's, and its start cost from its two sizes."""
     done = report["arms"]
     if {"padded", "continuous"} <= done.keys():
         report["continuous_over_padded_tok_s"] = done["continuous"]["reply_tok_s"] / done["padded"]["reply_tok_s"]
@@ -110,7 +134,6 @@ def main(project: Path, count: int, max_new_tokens: int | None, arms: str, out: 
         )
         report["continuous_start_seconds"] = done["continuous"]["seconds"] - done["continuous"]["reply_tokens"] / rate
         report["continuous_running_tok_s"] = rate
-    write_report(out, report)
 
 
 if __name__ == "__main__":
