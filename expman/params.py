@@ -192,10 +192,11 @@ class GenerateParams(Section):
     seed: int = 0
     batch_size: PositiveInt = 48
     """Requests per call to the backend: prompts per padded batch (hf), candidates per self-prompt round."""
-    hf_batching: Literal["auto", "padded", "continuous"] = "auto"
+    hf_batching: Literal["padded", "continuous"] = "padded"
     """hf backend: padded = left-padded batches through ``generate``, every row decoding until the batch's
-    longest reply ends; continuous = transformers' continuous batching (paged KV cache, a finished reply's
-    slot refilled at once); auto = continuous on CUDA, padded elsewhere."""
+    longest reply ends; continuous = transformers' continuous batching (paged KV cache, a finished reply's slot
+    refilled at once). Continuous is not yet measured on a GPU (``benchmarks/generate_backends.py``); on 2 CPU
+    cores it ran at a twentieth of padded's tokens/s."""
     shard_size: PositiveInt = 96
     """Conversations per response shard; a killed run redoes at most one shard."""
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)

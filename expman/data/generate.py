@@ -47,9 +47,7 @@ class HFBackend:
 
         self.params = params
         self.device = resolve_device(params.device)
-        self.continuous = params.hf_batching == "continuous" or (
-            params.hf_batching == "auto" and self.device.startswith("cuda")
-        )
+        self.continuous = params.hf_batching == "continuous"
         self.tokenizer = load_tokenizer(model_dir)
         self.tokenizer.padding_side = "left"
         self.model = load_verifier(model_dir, self.device, resolve_dtype(params.dtype, self.device))
