@@ -196,7 +196,7 @@ class GenerateParams(Section):
     """hf backend: padded = left-padded batches through ``generate``, every row decoding until the batch's
     longest reply ends; continuous = transformers' continuous batching (paged KV cache, a finished reply's slot
     refilled at once). Continuous is not yet measured on a GPU (``benchmarks/generate_backends.py``); on 2 CPU
-    cores it ran at a twentieth of padded's tokens/s."""
+    cores it ran at a third to a half of padded's tokens/s (generate_backends_cpu_amx.json)."""
     shard_size: PositiveInt = 96
     """Conversations per response shard; a killed run redoes at most one shard."""
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
