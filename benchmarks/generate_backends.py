@@ -38,15 +38,21 @@ def _requests(project: Path, count: int) -> list[list[int]]:
     return [prompts[n % len(prompts)] for n in range(count)]
 
 
+EXPLORATORY = ("padded-static", "padded-flex")
+"""Arms that are not stage settings: padded generate with transformers' static KV cache (which its generate
+compiles), or with flex attention (grouped key/value heads without copying them, under a padding mask)."""
+
+
 def _backend(project: Path, arm: str) -> Any:
-    """The stage's hf backend for ``arm``: padded, continuous, or padded-static (exploratory, not a stage setting:
-    padded generate with transformers' static KV cache, which its generate compiles)."""
+    """The stage's hf backend for ``arm``: padded, continuous, or one of EXPLORATORY."""
     from expman.data.generate import HFBackend
     from expman.params import load_params
 
-    batching = "padded" if arm == "padded-static" else arm
+    batching = "padded" if arm in EXPLORATORY else arm
     section = load_params(project / "params.yaml").generate.model_copy(update={"hf_batching": batching})
     backend = HFBackend(project / "models/verifier", section)
+    if arm == "padded-flex":
+        backend.model.set_attn_implementation("flex_attention")
     if arm == "padded-static":
         sampling = backend._sampling
 
@@ -94,9 +100,9 @@ def _arm(project: Path, arm: str, requests: list[list[int]], max_new_tokens: int
     "--arms",
     default="continuous:16,padded,continuous",
     show_default=True,
-    help="arm[:requests] in order, arm one of padded, continuous, padded-static. The first continuous call of a "
-    "process pays its one-time costs (as the stage's first shard does): a small one first shows them and keeps "
-    "them out of the full arm. The report is rewritten after each arm.",
+    help="arm[:requests] in order, arm one of padded, continuous, padded-static, padded-flex. The first continuous "
+    "call of a process pays its one-time costs (as the stage's first shard does): a small one first shows them and "
+    "keeps them out of the full arm. The report is rewritten after each arm; an arm that fails records its error.",
 )
 @click.option("--out", type=click.Path(path_type=Path), default=None)
 def main(project: Path, count: int, max_new_tokens: int | None, arms: str, out: Path | None) -> None:
@@ -117,7 +123,10 @@ def main(project: Path, count: int, max_new_tokens: int | None, arms: str, out: 
     }
     for arm in arms.split(","):
         name, _, size = arm.partition(":")
-        report["arms"][arm] = _arm(project, name, requests[: int(size or count)], length)
+        try:
+            report["arms"][arm] = _arm(project, name, requests[: int(size or count)], length)
+        except Exception as err:  # an exploratory arm the installed torch cannot compile: record it, go on
+            report["arms"][arm] = {"error": f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300]}"}
         print(arm, report["arms"][arm], flush=True)
         _summarize(report)
         write_report(out, report)
