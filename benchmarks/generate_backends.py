@@ -38,22 +38,25 @@ def _requests(project: Path, count: int) -> list[list[int]]:
     return [prompts[n % len(prompts)] for n in range(count)]
 
 
-EXPLORATORY = ("padded-static", "padded-flex")
+EXPLORATORY = ("padded-static", "padded-flex", "padded-static-flex")
 """Arms that are not stage settings: padded generate with transformers' static KV cache (which its generate
-compiles), or with flex attention (grouped key/value heads without copying them, under a padding mask)."""
+compiles), with flex attention (grouped key/value heads without copying them, under a padding mask), or both."""
 
 
 def _backend(project: Path, arm: str) -> Any:
-    """The stage's hf backend for ``arm``: padded, continuous, or one of EXPLORATORY."""
+    """The stage's hf backend for ``arm``: padded, continuous, or one of EXPLORATORY, optionally ``@batch_size``."""
     from expman.data.generate import HFBackend
     from expman.params import load_params
 
+    arm, _, batch_size = arm.partition("@")
+    section = load_params(project / "params.yaml").generate
     batching = "padded" if arm in EXPLORATORY else arm
-    section = load_params(project / "params.yaml").generate.model_copy(update={"hf_batching": batching})
+    update = {"hf_batching": batching} | ({"batch_size": int(batch_size)} if batch_size else {})
+    section = section.model_copy(update=update)
     backend = HFBackend(project / "models/verifier", section)
-    if arm == "padded-flex":
+    if arm.endswith("-flex"):
         backend.model.set_attn_implementation("flex_attention")
-    if arm == "padded-static":
+    if arm.startswith("padded-static"):
         sampling = backend._sampling
 
         def static_sampling(temperature: float, max_new_tokens: int) -> Any:
@@ -89,6 +92,7 @@ def _arm(project: Path, arm: str, requests: list[list[int]], max_new_tokens: int
         "stopped_at_limit": sum(r.finish_reason == "length" for r in replies),
         "peak_gpu_memory_gib": peak,
         "device": backend.device,
+        "batch_size": section.batch_size,
     }
 
 
@@ -100,7 +104,8 @@ def _arm(project: Path, arm: str, requests: list[list[int]], max_new_tokens: int
     "--arms",
     default="continuous:16,padded,continuous",
     show_default=True,
-    help="arm[:requests] in order, arm one of padded, continuous, padded-static, padded-flex. The first continuous "
+    help="arm[@batch_size][:requests] in order, arm one of padded, continuous, padded-static, padded-flex, "
+    "padded-static-flex; @batch_size overrides generate.batch_size. The first continuous "
     "call of a process pays its one-time costs (as the stage's first shard does): a small one first shows them and "
     "keeps them out of the full arm. The report is rewritten after each arm; an arm that fails records its error.",
 )
