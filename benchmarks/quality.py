@@ -14,6 +14,8 @@ extraction is a step of its own, so a run killed in the peer's training resumes 
      responses (converted to its format), with the same aux layers, draft vocab size and TTT steps, for the same
      training wall time as the scratch drafter; then vLLM CPU on the same held-out prompts at k = 1..4, with the
      same number of new tokens.
+The goal ratio (τ(k=3) − 1, scratch over peer) is given twice: scratch in the reference evaluator, and scratch in
+vLLM, the engine the peer is measured in.
 Every expman step is an MLflow run in the project's store.
 """
 
@@ -247,6 +249,8 @@ def main(peer: Path, preset: str, work: Path, peer_budget_s: float | None, out: 
     tau3 = {arm: reference[arm]["overall"]["k3"]["tau"] for arm in reference}
     goals = {
         "scratch_vs_peer_tau3_minus_1_ratio": (tau3["scratch"] - 1) / (engine["peer"]["k3"]["tau"] - 1),
+        "scratch_vs_peer_vllm_tau3_minus_1_ratio": (engine["scratch"]["k3"]["tau"] - 1)
+        / (engine["peer"]["k3"]["tau"] - 1),
         "candidate_tau3": tau3["candidate"],
         "candidate_minus_baseline_tau3": tau3["candidate"] - tau3["baseline"],
         "candidate_reference_speedup_best": max(v["speedup"] for v in reference["candidate"]["overall"].values()),
