@@ -328,6 +328,8 @@ def test_continuous_batching_answers_as_padded_batches_do(project: Path, device:
     EOS included, in the prompts' order (sampled copies share their prompt ids, so order is all that maps them)."""
     from expman.data.generate import HFBackend
 
+    if device == "cpu" and torch.cuda.is_available():
+        pytest.skip("continuous batching on cpu is refused on a CUDA host (see the next test)")
     run_until("prepare")
     section = load_params("params.yaml").generate
     exact = {"dtype": "float32", "device": device}
@@ -346,3 +348,14 @@ def test_continuous_batching_answers_as_padded_batches_do(project: Path, device:
     assert {o.finish_reason for o in expected} == {"stop", "length"}
     assert [o.prompt_ids for o in got] == prompts
     assert [(o.output_ids, o.finish_reason) for o in got] == [(o.output_ids, o.finish_reason) for o in expected]
+
+
+def test_continuous_batching_on_cpu_is_refused_on_a_cuda_host(project: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers sizes continuous batching's cache from the GPU whenever one is present: one line, not a CUDA
+    out-of-memory from inside transformers."""
+    from expman.data.generate import HFBackend
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    section = load_params("params.yaml").generate
+    with pytest.raises(ExpmanError, match=r"^generate.hf_batching: continuous with generate.device cpu"):
+        HFBackend(Path("no-verifier"), section.model_copy(update={"hf_batching": "continuous", "device": "cpu"}))

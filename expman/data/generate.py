@@ -48,6 +48,8 @@ class HFBackend:
         self.params = params
         self.device = resolve_device(params.device)
         self.continuous = params.hf_batching == "continuous"
+        if self.continuous and self.device == "cpu":
+            _check_cpu_continuous_batching()
         self.tokenizer = load_tokenizer(model_dir)
         self.tokenizer.padding_side = "left"
         self.model = load_verifier(model_dir, self.device, resolve_dtype(params.dtype, self.device))
@@ -139,6 +141,19 @@ class HFBackend:
         kept = generated if stop is None else generated[: stop + 1]
         text = self.tokenizer.decode(kept, skip_special_tokens=True)
         return GenOutput(list(prompt), kept, text, "length" if stop is None else "stop")
+
+
+def _check_cpu_continuous_batching() -> None:
+    """transformers' continuous batching sizes its KV pages from the GPU's free memory whenever CUDA is present,
+    and pins its host buffers, so a CPU model on a CUDA host fails to allocate them (CUDA out of memory, measured
+    on an H100 host with transformers 5.17; the sizing is the same in 5.19)."""
+    import torch
+
+    if torch.cuda.is_available():
+        raise ExpmanError(
+            "generate.hf_batching: continuous with generate.device cpu cannot run on a host with CUDA "
+            "(transformers sizes its cache for the GPU); set generate.device: cuda or hf_batching: padded"
+        )
 
 
 def _make_backend(model_dir: Path, params: GenerateParams) -> Backend:
