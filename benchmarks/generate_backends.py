@@ -9,8 +9,8 @@ Run it in a project whose prepare stage has run (on a GPU: ``preset: gpu``, or `
 Each arm answers the same requests (the train prompts through the chat template, cycled to ``--requests``), sampled
 at the stage's ``sample_temperature`` as the sampled copies are, from the same seed. Its time is one call of the
 backend as the stage makes it per shard: padding, the continuous manager's start and its CUDA-graph warmup included,
-the verifier's load not. This is the backend in isolation; the generate stage end to end is in the GPU graph's
-report (``quality_gpu.py``).
+the verifier's load not. ``--profile-steps N`` adds where a padded decode step's time goes. This is the backend in
+isolation; the generate stage end to end is in the GPU graph's report (``quality_gpu.py``).
 """
 
 from __future__ import annotations
@@ -109,8 +109,17 @@ def _arm(project: Path, arm: str, requests: list[list[int]], max_new_tokens: int
     "call of a process pays its one-time costs (as the stage's first shard does): a small one first shows them and "
     "keeps them out of the full arm. The report is rewritten after each arm; an arm that fails records its error.",
 )
+@click.option(
+    "--profile-steps",
+    type=int,
+    default=0,
+    help="After the arms, profile the padded arm for this many new tokens with torch's profiler: the operators "
+    "that took the most device time (CPU time on a CPU) go into the report under profile.",
+)
 @click.option("--out", type=click.Path(path_type=Path), default=None)
-def main(project: Path, count: int, max_new_tokens: int | None, arms: str, out: Path | None) -> None:
+def main(
+    project: Path, count: int, max_new_tokens: int | None, arms: str, profile_steps: int, out: Path | None
+) -> None:
     from expman.devices import resolve_device
     from expman.params import load_params
 
@@ -135,6 +144,37 @@ def main(project: Path, count: int, max_new_tokens: int | None, arms: str, out: 
         print(arm, report["arms"][arm], flush=True)
         _summarize(report)
         write_report(out, report)
+    if profile_steps:
+        report["profile"] = _profile(project, requests, profile_steps)
+        write_report(out, report)
+
+
+def _profile(project: Path, requests: list[list[int]], steps: int, top: int = 20) -> dict[str, Any]:
+    """The padded arm's ``steps`` new tokens under torch's profiler (after an unprofiled warm-up call): its
+    ``top`` operators by self time on the device, each with calls and milliseconds."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    backend, section = _backend(project, "padded")
+    on_gpu = backend.device.startswith("cuda")
+    backend.complete(requests[:8], section.sample_temperature, [section.seed] * 8, 2)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    torch.manual_seed(section.seed)
+    with profile(activities=activities) as prof:
+        backend.complete(requests, section.sample_temperature, [section.seed] * len(requests), steps)
+        if on_gpu:
+            torch.cuda.synchronize()
+    field = "self_device_time_total" if on_gpu else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, field), reverse=True)
+    total_ms = sum(getattr(e, field) for e in events) / 1e3
+    return {
+        "new_tokens": steps,
+        "requests": len(requests),
+        "batch_size": section.batch_size,
+        "clock": "device" if on_gpu else "cpu",
+        "self_ms_total": total_ms,
+        "top": [{"op": e.key, "calls": e.count, "self_ms": getattr(e, field) / 1e3} for e in events[:top]],
+    }
 
 
 def _summarize(report: dict[str, Any]) -> None:
