@@ -8,12 +8,14 @@ Steps, each kept under ``--work`` and skipped when already done there (a killed 
 extraction is a step of its own, so a run killed in the peer's training resumes with its features):
   1. ``dvc exp run -S preset=quality`` (or ``--preset``): the whole graph; candidate (finetuned from the baseline)
      and baseline in the reference evaluator at evaluate.ks and in vLLM at benchmark.ks.
-  2. scratch: the preset's train section from scratch (``finetune_from: null``) on the same features, then the
-     reference evaluator at evaluate.ks and vLLM at benchmark.ks with it as the only drafter.
+  2. scratch: the preset's train section from scratch (``finetune_from: null``) on the same features.
   3. peer: ../shared/bench/peer_quality trains speculators' own Eagle3DraftModel and loss on the same train
      responses (converted to its format), with the same aux layers, draft vocab size and TTT steps, for the same
-     training wall time as the scratch drafter; then vLLM CPU on the same held-out prompts at k = 1..4, with the
-     same number of new tokens.
+     training wall time as the scratch drafter.
+  4. judging, one step per ``--eval-prompts`` count: the scratch drafter as the only drafter in the reference
+     evaluator at evaluate.ks and in vLLM at benchmark.ks; the peer's in vLLM CPU at k = evaluate.ks; both on the
+     same held-out prompts with the same number of new tokens. The preset's 16 prompts keep the graph inside its
+     hour; all 96 shrink the sampling error of the ratio by about √6.
 The goal ratio (τ(k=3) − 1, scratch over peer) is given twice: scratch in the reference evaluator, and scratch in
 vLLM, the engine the peer is measured in.
 Every expman step is an MLflow run in the project's store.
@@ -58,40 +60,50 @@ def _repro(preset: str) -> dict[str, Any]:
     return {"command": f"dvc exp run -S preset={preset}"}
 
 
-def _scratch(params: Params, folder: Path) -> dict[str, Any]:
-    """Train from scratch into ``folder``, then evaluate and benchmark it as the only drafter arm."""
-    from expman.evaluation.benchmark import benchmark
+def _train_scratch(params: Params, folder: Path) -> dict[str, Any]:
+    """Train the preset's train section from scratch into ``folder``/drafter."""
     from expman.training.train import train
 
     section = params.train.model_copy(update={"finetune_from": None})
     started = time.perf_counter()
-    drafter = folder / "drafter"
     train(
         section,
         replace(
-            TrainPaths.default(), out=drafter, state=folder / ".train-state", metrics=folder / "train.json", plots=None
+            TrainPaths.default(),
+            out=folder / "drafter",
+            state=folder / ".train-state",
+            metrics=folder / "train.json",
+            plots=None,
         ),
     )
-    train_s = time.perf_counter() - started
-    alone = params.model_copy(update={"evaluate": params.evaluate.model_copy(update={"baseline": None})})
-    evaluated = folder / "evaluate"
+    return {"train_s": time.perf_counter() - started}
+
+
+def _evaluate_scratch(judged: Params, folder: Path, tag: str) -> dict[str, Any]:
+    """Evaluate and benchmark the scratch drafter as the only drafter arm, on ``judged``'s held-out prompts."""
+    from expman.evaluation.benchmark import benchmark
+
+    evaluated = folder / f"evaluate_{tag}"
     evaluate(
-        alone,
+        judged,
         replace(
             EvaluatePaths.default(),
-            drafter=drafter,
+            drafter=folder / "drafter",
             out=evaluated,
-            metrics=folder / "evaluate.json",
-            plots=folder / "plots",
+            metrics=folder / f"evaluate_{tag}.json",
+            plots=folder / f"plots_{tag}",
         ),
     )
     benchmark(
-        alone,
+        judged,
         replace(
-            BenchmarkPaths.default(), evaluate=evaluated, out=folder / "benchmark", metrics=folder / "benchmark.json"
+            BenchmarkPaths.default(),
+            evaluate=evaluated,
+            out=folder / f"benchmark_{tag}",
+            metrics=folder / f"benchmark_{tag}.json",
         ),
     )
-    return {"train_s": train_s}
+    return {}
 
 
 class _Peer:
@@ -124,13 +136,7 @@ class _Peer:
                     "response_ids": r["input_ids"][cut:],
                 }
                 handle.write(json.dumps(row) + "\n")
-        heldout = read_responses(paths.GENERATED, self.params.evaluate.split)
-        selected = select_prompts(heldout, self.params.evaluate.max_prompts)
-        for name, records in (("heldout_all", heldout), ("heldout", selected)):
-            with open(folder / f"{name}.jsonl", "w") as handle:
-                for r in records:
-                    user = [m["content"] for m in r["messages"] if m["role"] == "user"][-1]
-                    handle.write(json.dumps({"id": r["id"], "category": r["category"], "prompt": user}) + "\n")
+        self.write_prompts(folder / "heldout_all.jsonl", None)
         started = time.perf_counter()
         self.script(
             "extract_features.py",
@@ -147,9 +153,17 @@ class _Peer:
         )
         return {"extract_s": time.perf_counter() - started}
 
-    def train_and_evaluate(self, budget_s: float) -> dict[str, Any]:
-        """Train on the extracted features within ``budget_s``; then vLLM CPU on the held-out prompts."""
-        folder, params = self.folder, self.params
+    def write_prompts(self, path: Path, limit: int | None) -> None:
+        """Up to ``limit`` held-out prompts (all with None), chosen as the reference evaluator chooses them."""
+        heldout = read_responses(paths.GENERATED, self.params.evaluate.split)
+        with open(path, "w") as handle:
+            for r in select_prompts(heldout, limit):
+                user = [m["content"] for m in r["messages"] if m["role"] == "user"][-1]
+                handle.write(json.dumps({"id": r["id"], "category": r["category"], "prompt": user}) + "\n")
+
+    def train(self, budget_s: float) -> dict[str, Any]:
+        """Train on the extracted features within ``budget_s``."""
+        folder = self.folder
         started = time.perf_counter()
         self.script(
             "train_drafter.py",
@@ -159,29 +173,43 @@ class _Peer:
             "--budget-s",
             f"{budget_s:.0f}",
             "--max-len",
-            str(params.train.max_tokens),
+            str(self.params.train.max_tokens),
             "--layers",
             self.layers,
             "--draft-vocab",
             self.vocab_size,
             "--ttt",
-            str(params.train.ttt_steps),
+            str(self.params.train.ttt_steps),
             log="train.log",
         )
-        train_s = time.perf_counter() - started
+        return {"train_s": time.perf_counter() - started, "budget_s": budget_s}
+
+    def evaluate(self, judged: Params, tag: str) -> dict[str, Any]:
+        """vLLM CPU with the peer's drafter on ``judged``'s held-out prompts, at its ks and new tokens."""
+        prompts = self.folder / f"prompts_{tag}.jsonl"
+        self.write_prompts(prompts, judged.evaluate.max_prompts)
         self.script(
             "eval_vllm.py",
             str(paths.VERIFIER),
-            str(folder / "heldout.jsonl"),
-            str(folder / "drafter"),
-            str(folder / "eval.json"),
+            str(prompts),
+            str(self.folder / "drafter"),
+            str(self.folder / f"eval_{tag}.json"),
             "--arms",
-            ",".join(["nospec", *(f"k{k}" for k in params.evaluate.ks)]),
+            ",".join(["nospec", *(f"k{k}" for k in judged.evaluate.ks)]),
             "--max-tokens",
-            str(params.evaluate.max_new_tokens),
-            log="eval.log",
+            str(judged.evaluate.max_new_tokens),
+            log=f"eval_{tag}.log",
         )
-        return {"train_s": train_s, "budget_s": budget_s}
+        return {}
+
+
+def _prompt_count(value: str) -> int | None:
+    """``--eval-prompts``: a positive number, or all (None)."""
+    if value == "all":
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise click.BadParameter(f"{value!r}: a positive number of prompts or all", param_hint="--eval-prompts")
+    return int(value)
 
 
 def _reference(evaluation: dict, arm: str) -> dict[str, Any]:
@@ -215,23 +243,37 @@ def _engine(bench: dict, arm: str) -> dict[str, Any]:
     "epochs from its first steps' time, so when that leaves most of an epoch unused, give it more and compare the "
     "training times it reports (seconds.peer_train against seconds.scratch_train).",
 )
+@click.option(
+    "--eval-prompts",
+    default=None,
+    help="Held-out prompts the scratch and peer drafters are judged on: a number (round-robin over categories, as "
+    "evaluate.max_prompts) or all; default: the preset's evaluate.max_prompts. Each count is a step of its own, so "
+    "a rerun with another count reuses both drafters.",
+)
 @click.option("--out", type=click.Path(path_type=Path), required=True)
-def main(peer: Path, preset: str, work: Path, peer_budget_s: float | None, out: Path) -> None:
+def main(peer: Path, preset: str, work: Path, peer_budget_s: float | None, eval_prompts: str | None, out: Path) -> None:
     repro = _step(work / "repro.json", lambda: _repro(preset))
     params = load_params("params.yaml")
     if params.preset != preset:
         raise click.ClickException(f"params.yaml: preset is {params.preset!r} after the run, not {preset!r}")
-    scratch = _step(work / "scratch.json", lambda: _scratch(params, work / "scratch"))
+    prompts = params.evaluate.max_prompts if eval_prompts is None else _prompt_count(eval_prompts)
+    tag = "all" if prompts is None else str(prompts)
+    judged = params.model_copy(
+        update={"evaluate": params.evaluate.model_copy(update={"baseline": None, "max_prompts": prompts})}
+    )
+    scratch = _step(work / "scratch.json", lambda: _train_scratch(params, work / "scratch"))
+    scratch_judged = _step(work / f"scratch_eval_{tag}.json", lambda: _evaluate_scratch(judged, work / "scratch", tag))
     budget_s = scratch["train_s"] if peer_budget_s is None else peer_budget_s
     peer_run = _Peer(params, peer, work / "peer")
     peer_extract = _step(work / "peer_extract.json", peer_run.extract)
-    theirs = _step(work / "peer.json", lambda: peer_run.train_and_evaluate(budget_s))
+    theirs = _step(work / "peer.json", lambda: peer_run.train(budget_s))
+    peer_judged = _step(work / f"peer_eval_{tag}.json", lambda: peer_run.evaluate(judged, tag))
 
     evaluation = json.loads((paths.EVALUATE / "evaluation.json").read_text())
     bench = json.loads((paths.BENCHMARK / "benchmark.json").read_text())
-    scratch_eval = json.loads((work / "scratch/evaluate/evaluation.json").read_text())
-    scratch_bench = json.loads((work / "scratch/benchmark/benchmark.json").read_text())
-    peer_eval = json.loads((work / "peer/eval.json").read_text())
+    scratch_eval = json.loads((work / f"scratch/evaluate_{tag}/evaluation.json").read_text())
+    scratch_bench = json.loads((work / f"scratch/benchmark_{tag}/benchmark.json").read_text())
+    peer_eval = json.loads((work / f"peer/eval_{tag}.json").read_text())
     reference = {arm: _reference(evaluation, arm) for arm in ("candidate", "baseline")}
     reference["scratch"] = _reference(scratch_eval, "candidate")
     engine = {arm: _engine(bench, arm) for arm in ("candidate", "baseline")}
@@ -266,11 +308,16 @@ def main(peer: Path, preset: str, work: Path, peer_budget_s: float | None, out: 
         "data": {**extract["totals"], "train_responses": len(read_responses(paths.GENERATED, "train"))},
         "seconds": {
             "repro": repro["seconds"],
-            "scratch": scratch["seconds"],
             "scratch_train": scratch["train_s"],
+            "scratch_evaluate": scratch_judged["seconds"],
             "peer_extract": peer_extract["extract_s"],
             "peer_train": theirs["train_s"],
             "peer_train_budget": theirs["budget_s"],
+            "peer_evaluate": peer_judged["seconds"],
+        },
+        "heldout_prompts": {
+            "candidate_and_baseline": len(evaluation["prompts"]),
+            "scratch_and_peer": len(scratch_eval["prompts"]),
         },
         "reference": reference,
         "vllm": engine,
