@@ -38,9 +38,10 @@ def _requests(project: Path, count: int) -> list[list[int]]:
     return [prompts[n % len(prompts)] for n in range(count)]
 
 
-EXPLORATORY = ("padded-static", "padded-flex", "padded-static-flex")
+EXPLORATORY = ("padded-static", "padded-flex", "padded-static-flex", "padded-nocudnn")
 """Arms that are not stage settings: padded generate with transformers' static KV cache (which its generate
-compiles), with flex attention (grouped key/value heads without copying them, under a padding mask), or both."""
+compiles), with flex attention (grouped key/value heads without copying them, under a padding mask), both, or with
+SDPA's cuDNN kernel excluded (it builds a plan per new shape, and a decode step is one: generate_decode_step.py)."""
 
 
 def _backend(project: Path, arm: str) -> Any:
@@ -54,6 +55,16 @@ def _backend(project: Path, arm: str) -> Any:
     update = {"hf_batching": batching} | ({"batch_size": int(batch_size)} if batch_size else {})
     section = section.model_copy(update=update)
     backend = HFBackend(project / "models/verifier", section)
+    if arm == "padded-nocudnn":
+        padded = backend._padded
+
+        def padded_without_cudnn(*args: Any) -> Any:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+                return padded(*args)
+
+        backend._padded = padded_without_cudnn
     if arm.endswith("-flex"):
         backend.model.set_attn_implementation("flex_attention")
     if arm.startswith("padded-static"):
@@ -105,7 +116,7 @@ def _arm(project: Path, arm: str, requests: list[list[int]], max_new_tokens: int
     default="continuous:16,padded,continuous",
     show_default=True,
     help="arm[@batch_size][:requests] in order, arm one of padded, continuous, padded-static, padded-flex, "
-    "padded-static-flex; @batch_size overrides generate.batch_size. The first continuous "
+    "padded-static-flex, padded-nocudnn; @batch_size overrides generate.batch_size. The first continuous "
     "call of a process pays its one-time costs (as the stage's first shard does): a small one first shows them and "
     "keeps them out of the full arm. The report is rewritten after each arm; an arm that fails records its error.",
 )
