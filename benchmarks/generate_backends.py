@@ -38,10 +38,10 @@ def _requests(project: Path, count: int) -> list[list[int]]:
     return [prompts[n % len(prompts)] for n in range(count)]
 
 
-EXPLORATORY = ("padded-static", "padded-flex", "padded-static-flex", "padded-nocudnn")
+EXPLORATORY = ("padded-static", "padded-flex", "padded-static-flex")
 """Arms that are not stage settings: padded generate with transformers' static KV cache (which its generate
-compiles), with flex attention (grouped key/value heads without copying them, under a padding mask), both, or with
-SDPA's cuDNN kernel excluded (it builds a plan per new shape, and a decode step is one: generate_decode_step.py)."""
+compiles), with flex attention (grouped key/value heads without copying them, under a padding mask), or both.
+``padded-nocudnn`` is padded with ``generate.cudnn_attention: false``."""
 
 
 def _backend(project: Path, arm: str) -> Any:
@@ -51,20 +51,12 @@ def _backend(project: Path, arm: str) -> Any:
 
     arm, _, batch_size = arm.partition("@")
     section = load_params(project / "params.yaml").generate
-    batching = "padded" if arm in EXPLORATORY else arm
+    batching = "padded" if arm in (*EXPLORATORY, "padded-nocudnn") else arm
     update = {"hf_batching": batching} | ({"batch_size": int(batch_size)} if batch_size else {})
+    if arm == "padded-nocudnn":
+        update["cudnn_attention"] = False
     section = section.model_copy(update=update)
     backend = HFBackend(project / "models/verifier", section)
-    if arm == "padded-nocudnn":
-        padded = backend._padded
-
-        def padded_without_cudnn(*args: Any) -> Any:
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-
-            with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-                return padded(*args)
-
-        backend._padded = padded_without_cudnn
     if arm.endswith("-flex"):
         backend.model.set_attn_implementation("flex_attention")
     if arm.startswith("padded-static"):

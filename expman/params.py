@@ -195,8 +195,14 @@ class GenerateParams(Section):
     hf_batching: Literal["padded", "continuous"] = "padded"
     """hf backend: padded = left-padded batches through ``generate``, every row decoding until the batch's
     longest reply ends; continuous = transformers' continuous batching (paged KV cache, a finished reply's slot
-    refilled at once). Continuous is not yet measured on a GPU (``benchmarks/generate_backends.py``); on 2 CPU
-    cores it ran at a third to a half of padded's tokens/s (generate_backends_cpu_amx.json)."""
+    refilled at once). Continuous ran at 0.41x padded's tokens/s on one H100 and a third to a half on 2 CPU cores
+    (``benchmarks/generate_backends.py``, README "Generation")."""
+    cudnn_attention: bool = True
+    """hf backend, padded: let attention use SDPA's cuDNN kernel where torch picks it (CUDA, Hopper). cuDNN builds a
+    plan for each new shape and every decode step is one (the key length grows by one), so calls of a batch size
+    not met before pay it at every step; false keeps SDPA's flash and memory-efficient kernels. Decode step alone,
+    one H100, batch 2,048: 1.3x faster without cuDNN on new shapes, 0.93x on shapes seen before (README
+    "Generation"); the stage with it is still to be measured, so the default stays torch's choice."""
     shard_size: PositiveInt = 96
     """Conversations per response shard; a killed run redoes at most one shard."""
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)

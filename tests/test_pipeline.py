@@ -350,6 +350,37 @@ def test_continuous_batching_answers_as_padded_batches_do(project: Path, device:
     assert [(o.output_ids, o.finish_reason) for o in got] == [(o.output_ids, o.finish_reason) for o in expected]
 
 
+@pytest.mark.parametrize("cudnn", [True, False])
+def test_cudnn_attention_false_turns_only_sdpa_cudnn_off(cudnn: bool) -> None:
+    """generate.cudnn_attention: false runs padded generate with SDPA's cuDNN kernel off and flash and
+    memory-efficient on; true leaves torch's choice as it is; both restore it afterwards."""
+    from expman.data.generate import _attention_kernels
+
+    cuda = torch.backends.cuda
+    before = (cuda.cudnn_sdp_enabled(), cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled())
+    with _attention_kernels(cudnn):
+        inside = (cuda.cudnn_sdp_enabled(), cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled())
+    assert inside == (before if cudnn else (False, True, True))
+    assert (cuda.cudnn_sdp_enabled(), cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled()) == before
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_padded_generate_without_cudnn_answers_as_with_it(project: Path, device: str) -> None:
+    """Greedy in float32 (which cuDNN's attention does not take, so the kernels compute alike): the same replies with
+    generate.cudnn_attention true and false, through the stage's backend."""
+    from expman.data.generate import HFBackend
+
+    run_until("prepare")
+    section = load_params("params.yaml").generate.model_copy(update={"dtype": "float32", "device": device})
+    backend = HFBackend(paths.VERIFIER, section)
+    prompts = [backend._prompt_ids([{"role": "user", "content": f"Name {n} colours " * (n + 1)}]) for n in range(4)]
+    with_cudnn = backend.complete(prompts, 0.0, [0] * 4, 10)
+    backend.params = section.model_copy(update={"cudnn_attention": False})
+    without = backend.complete(prompts, 0.0, [0] * 4, 10)
+    assert [o.output_ids for o in without] == [o.output_ids for o in with_cudnn]
+    assert all(o.output_ids for o in without)
+
+
 def test_continuous_batching_on_cpu_is_refused_on_a_cuda_host(project: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """transformers sizes continuous batching's cache from the GPU whenever one is present: one line, not a CUDA
     out-of-memory from inside transformers."""

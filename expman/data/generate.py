@@ -8,12 +8,14 @@ assistant turns are regenerated in order; the last one is the training target.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
 import time
 import zlib
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -31,7 +33,16 @@ __all__ = ["generate", "read_responses"]
 
 SHARD_COUNTS = ("records", "failed", "prompt_tokens", "response_tokens")
 NOT_IN_SETTINGS = frozenset(
-    ("datasets", "self_prompts", "shard_size", "batch_size", "hf_batching", "device", "tensor_parallel_size")
+    (
+        "datasets",
+        "self_prompts",
+        "shard_size",
+        "batch_size",
+        "hf_batching",
+        "cudnn_attention",
+        "device",
+        "tensor_parallel_size",
+    )
 )
 """generate keys left out of a shard's settings: datasets and self prompts are keyed by themselves; the others change
 how responses are computed, not what they are, so shards made under other values stay valid."""
@@ -105,7 +116,7 @@ class HFBackend:
             for r, i in enumerate(rows):
                 ids[r, width - len(prompts[i]) :] = torch.tensor(prompts[i])
                 mask[r, width - len(prompts[i]) :] = 1
-            with torch.inference_mode():
+            with torch.inference_mode(), _attention_kernels(self.params.cudnn_attention):
                 out = self.model.generate(
                     input_ids=ids.to(self.device),
                     attention_mask=mask.to(self.device),
@@ -141,6 +152,15 @@ class HFBackend:
         kept = generated if stop is None else generated[: stop + 1]
         text = self.tokenizer.decode(kept, skip_special_tokens=True)
         return GenOutput(list(prompt), kept, text, "length" if stop is None else "stop")
+
+
+def _attention_kernels(cudnn: bool) -> AbstractContextManager[Any]:
+    """SDPA's kernels for padded generate: torch's own choice, or all but cuDNN (``generate.cudnn_attention``)."""
+    if cudnn:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def _check_cpu_continuous_batching() -> None:
