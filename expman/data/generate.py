@@ -15,7 +15,6 @@ import os
 import time
 import zlib
 from collections.abc import Sequence
-from contextlib import AbstractContextManager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -154,7 +153,7 @@ class HFBackend:
         return GenOutput(list(prompt), kept, text, "length" if stop is None else "stop")
 
 
-def _attention_kernels(cudnn: bool) -> AbstractContextManager[Any]:
+def _attention_kernels(cudnn: bool) -> contextlib.AbstractContextManager[Any]:
     """SDPA's kernels for padded generate: torch's own choice, or all but cuDNN (``generate.cudnn_attention``)."""
     if cudnn:
         return contextlib.nullcontext()
