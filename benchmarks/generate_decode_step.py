@@ -9,10 +9,11 @@ lengths drawn from ``--min-prompt``..``--max-prompt``, sorted and cut into batch
 - ``equal-<attention>``: every prompt of one length, so no mask: grouped heads go to attention as they are
   (``enable_gqa``). A bound on what a varlen or paged kernel could reach, not a stage setting.
 
-``<attention>``: ``cudnn`` (torch's default SDPA choice on Hopper; it builds a plan for each new shape, and every
-decode step is one: the first batch pays it, later batches reuse what fits), ``nocudnn`` (SDPA without cuDNN:
-flash or memory-efficient kernels) or ``eager``. The report gives, per batch, seconds and the decode step's
-milliseconds: (whole call - a 1-token call) / (new tokens - 1). CUDA only.
+``<attention>``: ``cudnn`` (torch's own SDPA choice, ``generate.cudnn_attention: true``: cuDNN on Hopper, which
+builds a plan for each new shape, and every decode step is one: the first batch pays it, later batches reuse what
+fits), ``nocudnn`` (``generate.cudnn_attention: false``: flash or memory-efficient kernels) or ``eager``. The
+report gives, per batch, seconds and the decode step's milliseconds: (whole call - a 1-token call) / (new tokens -
+1). CUDA only.
 
     python benchmarks/generate_decode_step.py --out benchmarks/results/generate_decode_step_gpu_h100.json
 """
@@ -60,22 +61,20 @@ def _inputs(lengths: list[int], vocab: int, pad: int) -> tuple[Any, Any]:
 def _one_arm(arm: str, shape: str, batch: int, count: int, new_tokens: int, prompts: tuple[int, int]) -> dict:
     """Run one arm in this process: per batch, a 1-token call and a full call, each timed on the GPU."""
     import torch
-    from torch.nn.attention import SDPBackend, sdpa_kernel
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from expman.data.generate import _attention_kernels
 
     _, attention = arm.split("-")
     config = LlamaConfig(**SHAPES[shape], bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True)
     config._attn_implementation = "eager" if attention == "eager" else "sdpa"
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
-    kernels = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-    if attention == "cudnn":
-        kernels.insert(0, SDPBackend.CUDNN_ATTENTION)
 
     def generate(ids: Any, mask: Any, tokens: int) -> float:
         torch.cuda.synchronize()
         started = time.perf_counter()
-        with torch.inference_mode(), sdpa_kernel(kernels, set_priority=True):
+        with torch.inference_mode(), _attention_kernels(attention != "nocudnn"):  # generate.cudnn_attention's
             model.generate(
                 input_ids=ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False
             )
@@ -158,8 +157,8 @@ def main(
 def _summarize(report: dict[str, Any]) -> None:
     """Each arm's decode step over the padded cuDNN arm's, batch by batch (the first batch builds cuDNN plans)."""
     arms = report["arms"]
-    base = arms.get(next((a for a in arms if a.startswith("padded-cudnn")), ""), {}).get("batches")
-    if not base:
+    base = next((r["batches"] for a, r in arms.items() if a.startswith("padded-cudnn") and "batches" in r), None)
+    if base is None:
         return
     report["step_ms_over_padded_cudnn"] = {
         arm: [b["decode_step_ms"] / ref["decode_step_ms"] for b, ref in zip(result["batches"], base, strict=False)]
