@@ -40,8 +40,9 @@ def _requests(project: Path, count: int) -> list[list[int]]:
 
 EXPLORATORY = ("padded-static", "padded-flex", "padded-static-flex")
 """Arms that are not stage settings: padded generate with transformers' static KV cache (which its generate
-compiles), with flex attention (grouped key/value heads without copying them, under a padding mask), or both.
-``padded-nocudnn`` is padded with ``generate.cudnn_attention: false``."""
+compiles), with flex attention (grouped key/value heads without copying them, under a padding mask), or both."""
+CUDNN_ARMS = {"padded-cudnn": True, "padded-nocudnn": False}
+"""Padded with ``generate.cudnn_attention`` set either way; plain ``padded`` takes the project's setting."""
 
 
 def _backend(project: Path, arm: str) -> Any:
@@ -51,10 +52,10 @@ def _backend(project: Path, arm: str) -> Any:
 
     arm, _, batch_size = arm.partition("@")
     section = load_params(project / "params.yaml").generate
-    batching = "padded" if arm in (*EXPLORATORY, "padded-nocudnn") else arm
+    batching = "padded" if arm in (*EXPLORATORY, *CUDNN_ARMS) else arm
     update = {"hf_batching": batching} | ({"batch_size": int(batch_size)} if batch_size else {})
-    if arm == "padded-nocudnn":
-        update["cudnn_attention"] = False
+    if arm in CUDNN_ARMS:
+        update["cudnn_attention"] = CUDNN_ARMS[arm]
     section = section.model_copy(update=update)
     backend = HFBackend(project / "models/verifier", section)
     if arm.endswith("-flex"):
@@ -108,7 +109,7 @@ def _arm(project: Path, arm: str, requests: list[list[int]], max_new_tokens: int
     default="continuous:16,padded,continuous",
     show_default=True,
     help="arm[@batch_size][:requests] in order, arm one of padded, continuous, padded-static, padded-flex, "
-    "padded-static-flex, padded-nocudnn; @batch_size overrides generate.batch_size. The first continuous "
+    "padded-static-flex, padded-cudnn, padded-nocudnn; @batch_size overrides generate.batch_size. The first continuous "
     "call of a process pays its one-time costs (as the stage's first shard does): a small one first shows them and "
     "keeps them out of the full arm. The report is rewritten after each arm; an arm that fails records its error.",
 )

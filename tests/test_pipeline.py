@@ -372,7 +372,7 @@ def test_padded_generate_without_cudnn_answers_as_with_it(project: Path, device:
 
     run_until("prepare")
     section = load_params("params.yaml").generate.model_copy(update={"dtype": "float32", "device": device})
-    backend = HFBackend(paths.VERIFIER, section)
+    backend = HFBackend(paths.VERIFIER, section.model_copy(update={"cudnn_attention": True}))
     prompts = [backend._prompt_ids([{"role": "user", "content": f"Name {n} colours " * (n + 1)}]) for n in range(4)]
     with_cudnn = backend.complete(prompts, 0.0, [0] * 4, 10)
     backend.params = section.model_copy(update={"cudnn_attention": False})
