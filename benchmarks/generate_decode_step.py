@@ -63,7 +63,7 @@ def _one_arm(arm: str, shape: str, batch: int, count: int, new_tokens: int, prom
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from expman.data.generate import _attention_kernels
+    from expman.devices import attention_kernels
 
     _, attention = arm.split("-")
     config = LlamaConfig(**SHAPES[shape], bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True)
@@ -74,7 +74,7 @@ def _one_arm(arm: str, shape: str, batch: int, count: int, new_tokens: int, prom
     def generate(ids: Any, mask: Any, tokens: int) -> float:
         torch.cuda.synchronize()
         started = time.perf_counter()
-        with torch.inference_mode(), _attention_kernels(attention != "nocudnn"):  # generate.cudnn_attention's
+        with torch.inference_mode(), attention_kernels(attention != "nocudnn"):  # generate.cudnn_attention's
             model.generate(
                 input_ids=ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False
             )

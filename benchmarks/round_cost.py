@@ -38,27 +38,25 @@ def _median_ms(parts: dict[str, Callable[[], object]], repeats: int) -> dict[str
     return {name: statistics.median(values) * 1e3 for name, values in times.items()}
 
 
-def _verifier(shape: dict, dtype: torch.dtype) -> object:
+def random_models(shape: dict, dtype: torch.dtype, draft_vocab: int) -> tuple[object, Eagle3Drafter]:
+    """A verifier of ``shape`` with random weights (sdpa attention) and a drafter over it sharing its embedding,
+    draft id i being target id i, both in ``dtype`` on the CPU."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(**shape, tie_word_embeddings=True, attn_implementation="sdpa")
-    return LlamaForCausalLM(config).to(dtype).eval()
-
-
-def _drafter(shape: dict, draft_vocab: int, embedding: torch.Tensor, dtype: torch.dtype) -> Eagle3Drafter:
+    model = LlamaForCausalLM(config).to(dtype).eval()
     aux_layers = default_aux_layers(shape["num_hidden_layers"])
     drafter = Eagle3Drafter(DrafterConfig.from_verifier(shape, draft_vocab, aux_layers)).eval()
-    drafter.embed_tokens.weight.data = embedding.float()
+    drafter.embed_tokens.weight.data = model.get_input_embeddings().weight.detach().float()
     drafter.t2d[:draft_vocab] = True  # d2t stays 0: draft id i is target id i
-    return drafter.to(dtype)
+    return model, drafter.to(dtype)
 
 
 @torch.inference_mode()
 def measure(shape: dict, dtype: torch.dtype, draft_vocab: int, context: int, ks: list[int], repeats: int) -> dict:
     """Per-part costs in ms and the round cost per k, for one compute dtype of verifier and drafter."""
     torch.manual_seed(0)
-    model = _verifier(shape, dtype)
-    drafter = _drafter(shape, draft_vocab, model.get_input_embeddings().weight, dtype)
+    model, drafter = random_models(shape, dtype, draft_vocab)
     prompt = torch.randint(0, shape["vocab_size"], (context,)).tolist()
     verifier = VerifierSession(model, drafter.config.aux_layer_ids)
     _, aux = verifier.feed(prompt, with_aux=True, last_only=True)

@@ -7,6 +7,7 @@ and float32 elsewhere: on an AVX2-only CPU bf16 matmuls are emulated, about 6x s
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from pathlib import Path
 from typing import Any
@@ -77,3 +78,14 @@ def speedup_target(device: str, dtype: str) -> str:
     """The target a speedup was measured on, as the promote gate names it: the device and the compute dtype
     (a bf16 speedup on CPU says nothing about fp32 serving there)."""
     return f"torch-{device}-{dtype_name(dtype, device)}-batch1"
+
+
+def attention_kernels(cudnn: bool) -> contextlib.AbstractContextManager[Any]:
+    """SDPA's kernels for decoding: torch's own choice (cuDNN on Hopper), or all but cuDNN. cuDNN builds a plan for
+    each new shape and a decode step is one (the key length grows by one), so a decode that meets new shapes pays
+    it at every step (``generate.cudnn_attention``, ``evaluate.cudnn_attention``; README "Generation")."""
+    if cudnn:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])

@@ -436,6 +436,11 @@ class EvaluateParams(Section):
     """Compute dtype of the verifier and the drafters; auto: bfloat16 on CUDA and on a CPU with native bf16 (there the
     faster one: benchmarks/results/round_cost_cpu.json), float32 elsewhere (bf16 matmuls are ~6x slower on AVX2).
     In bf16 outputs equal greedy up to bf16 ties, which are counted apart from mismatches."""
+    cudnn_attention: bool = False
+    """CUDA: let the verifier's and drafters' attention use SDPA's cuDNN kernel where torch picks it (Hopper). A
+    batch-1 decode meets a new shape at every step and cuDNN builds a plan for each; false keeps flash and
+    memory-efficient kernels. One H100, this stage's decode in one process (random weights of SmolLM2's shape): a
+    plain step 37 -> 19 ms, a k=3 round 46 -> 26 ms, 1.93x per prompt (README "Generation"). No effect on CPU."""
     workers: PositiveInt = 1
     """Processes decoding prompts side by side, each with its own verifier and drafters. On a GPU a batch-1 decode
     is bound by kernel launches, so one GPU serves several (the arms of a prompt stay in one process, interleaved, so

@@ -18,6 +18,7 @@ from expman.evaluation.evaluate import (
     DrafterSession,
     GreedyReference,
     _accept,
+    _decode_rows,
     greedy_decode,
     select_prompts,
     speculative_decode,
@@ -84,6 +85,29 @@ def test_bf16_speculative_output_equals_greedy_up_to_ties(verifier) -> None:
         divergence = reference.divergence(tokens)
         assert divergence is None or divergence["tie"], divergence
         assert stats.rounds > 0
+
+
+@pytest.mark.parametrize("cudnn", [True, False])
+def test_decode_rows_run_under_evaluate_cudnn_attention(verifier, cudnn: bool) -> None:
+    """Every verifier forward of the evaluator's decode, warm-up included, sees SDPA's cuDNN kernel as
+    evaluate.cudnn_attention says, and torch's choice is back afterwards; the tokens do not depend on it."""
+    from expman.params import EvaluateParams
+
+    seen: list[bool] = []
+    hook = verifier.register_forward_pre_hook(lambda *_: seen.append(torch.backends.cuda.cudnn_sdp_enabled()))
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    drafter = _drafter(verifier, torch.arange(0, verifier.config.vocab_size, 2))
+    records = [
+        {"id": str(n), "category": "c", "input_ids": p, "prompt_tokens": len(p)} for n, p in enumerate(_prompts(2))
+    ]
+    section = EvaluateParams(ks=[2], max_new_tokens=12, cudnn_attention=cudnn)
+    try:
+        rows = list(_decode_rows(section, (verifier, {verifier.config.eos_token_id}, {"candidate": drafter}), records))
+    finally:
+        hook.remove()
+    assert seen and set(seen) == {before if cudnn else False}
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
+    assert [row["candidate"]["2"]["matches_greedy"] for row in rows] == [True, True]
 
 
 def test_a_divergence_is_a_tie_only_within_tie_ulps() -> None:

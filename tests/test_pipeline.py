@@ -354,11 +354,11 @@ def test_continuous_batching_answers_as_padded_batches_do(project: Path, device:
 def test_cudnn_attention_false_turns_only_sdpa_cudnn_off(cudnn: bool) -> None:
     """generate.cudnn_attention: false runs padded generate with SDPA's cuDNN kernel off and flash and
     memory-efficient on; true leaves torch's choice as it is; both restore it afterwards."""
-    from expman.data.generate import _attention_kernels
+    from expman.devices import attention_kernels
 
     cuda = torch.backends.cuda
     before = (cuda.cudnn_sdp_enabled(), cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled())
-    with _attention_kernels(cudnn):
+    with attention_kernels(cudnn):
         inside = (cuda.cudnn_sdp_enabled(), cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled())
     assert inside == (before if cudnn else (False, True, True))
     assert (cuda.cudnn_sdp_enabled(), cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled()) == before

@@ -8,7 +8,6 @@ assistant turns are regenerated in order; the last one is the training target.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import os
@@ -22,6 +21,7 @@ from typing import Any
 from expman.data.backend import Backend, GenOutput, Messages
 from expman.data.conversations import Conversation, read_dataset
 from expman.data.shards import ShardSet, verify_shard
+from expman.devices import attention_kernels, precision_facts, resolve_device, resolve_dtype
 from expman.errors import ExpmanError
 from expman.params import GenerateParams, Params
 from expman.paths import GeneratePaths
@@ -53,7 +53,6 @@ class HFBackend:
 
     def __init__(self, model_dir: Path, params: GenerateParams):
         from expman.data.verifier import load_tokenizer, load_verifier
-        from expman.devices import resolve_device, resolve_dtype
 
         self.params = params
         self.device = resolve_device(params.device)
@@ -115,7 +114,7 @@ class HFBackend:
             for r, i in enumerate(rows):
                 ids[r, width - len(prompts[i]) :] = torch.tensor(prompts[i])
                 mask[r, width - len(prompts[i]) :] = 1
-            with torch.inference_mode(), _attention_kernels(self.params.cudnn_attention):
+            with torch.inference_mode(), attention_kernels(self.params.cudnn_attention):
                 out = self.model.generate(
                     input_ids=ids.to(self.device),
                     attention_mask=mask.to(self.device),
@@ -151,15 +150,6 @@ class HFBackend:
         kept = generated if stop is None else generated[: stop + 1]
         text = self.tokenizer.decode(kept, skip_special_tokens=True)
         return GenOutput(list(prompt), kept, text, "length" if stop is None else "stop")
-
-
-def _attention_kernels(cudnn: bool) -> contextlib.AbstractContextManager[Any]:
-    """SDPA's kernels for padded generate: torch's own choice, or all but cuDNN (``generate.cudnn_attention``)."""
-    if cudnn:
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def _check_cpu_continuous_batching() -> None:
@@ -388,8 +378,6 @@ def generate(params: Params, where: GeneratePaths) -> dict[str, Any]:
     """Regenerate responses for every dataset of ``params.generate`` into ``where.out/<split>/shard-*.jsonl``
     (written shard by shard into ``where.state``, then linked into ``where.out``)."""
     from tqdm import tqdm
-
-    from expman.devices import precision_facts, resolve_device
 
     section = params.generate
     precision = precision_facts(resolve_device(section.device), section.dtype)

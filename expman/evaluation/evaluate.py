@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from expman.data.generate import read_responses
+from expman.devices import attention_kernels, precision_facts, resolve_device, resolve_dtype, speedup_target
 from expman.drafter.model import Eagle3Drafter
 from expman.errors import ExpmanError
 from expman.params import EvaluateParams, Params
@@ -495,11 +496,14 @@ def _decode_rows(
     interleaved."""
     model, eos_ids, drafters = loaded
     first = prompts[0]["input_ids"][: prompts[0]["prompt_tokens"]]
-    greedy_decode(model, first, 8, eos_ids)
-    for drafter in drafters.values():
-        speculative_decode(model, drafter, first, max(section.ks), 8, eos_ids)
+    with attention_kernels(section.cudnn_attention):
+        greedy_decode(model, first, 8, eos_ids)
+        for drafter in drafters.values():
+            speculative_decode(model, drafter, first, max(section.ks), 8, eos_ids)
     for record in prompts:
-        yield _prompt_row(model, drafters, record, section, eos_ids)
+        with attention_kernels(section.cudnn_attention):
+            row = _prompt_row(model, drafters, record, section, eos_ids)
+        yield row
 
 
 def _decode_worker(decoding: _Decoding, prompts: list[dict[str, Any]], rows_path: Path, threads: int) -> None:
@@ -630,7 +634,6 @@ def evaluate(params: Params, where: EvaluatePaths) -> dict[str, Any]:
     """Run the three arms on the held-out prompts; write ``evaluation.json`` (per-prompt results + summary) and
     ``manifest.json`` to ``where.out``, the summary to ``where.metrics`` and its tables for ``dvc plots`` to
     ``where.plots``; the run logs the same pictures as ``figures/evaluate.png``."""
-    from expman.devices import precision_facts, resolve_device, resolve_dtype, speedup_target
     from expman.plots import EVALUATE_FIGURE, evaluation_figure, evaluation_tables, write_tables
 
     section: EvaluateParams = params.evaluate
