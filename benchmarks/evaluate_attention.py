@@ -13,13 +13,11 @@ random drafter's drafts are rejected, so each round commits one token). One proc
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import click
-from harness import SHAPES, header, shape_option, write_report
+from harness import SHAPES, header, in_child, shape_option, write_report
 
 
 def _one_arm(cudnn: bool, shape: str, prompts: int, lengths: tuple[int, int], new_tokens: int, ks: list[int]) -> dict:
@@ -88,15 +86,9 @@ def main(
         "arms": {},
     }
     for arm, cudnn in (("cudnn", True), ("nocudnn", False)):
-        command = [sys.executable, __file__, "--one", str(cudnn), "--shape", shape, "--prompts", str(prompts)]
-        command += ["--min-prompt", str(min_prompt), "--max-prompt", str(max_prompt), "--new-tokens", str(new_tokens)]
-        command += [f"--k={k}" for k in ks]
-        done = subprocess.run(command, capture_output=True, text=True, check=False)
-        lines = done.stdout.strip().splitlines()
-        if done.returncode or not lines:
-            report["arms"][arm] = {"error": (done.stderr.strip().splitlines() or ["no output"])[-1][:300]}
-        else:
-            report["arms"][arm] = json.loads(lines[-1])
+        args = ["--one", str(cudnn), "--shape", shape, "--prompts", str(prompts), "--new-tokens", str(new_tokens)]
+        args += ["--min-prompt", str(min_prompt), "--max-prompt", str(max_prompt), *[f"--k={k}" for k in ks]]
+        report["arms"][arm] = in_child(__file__, *args)
         write_report(out, report)
     arms = report["arms"]
     if all("prompt_seconds" in arms[arm] for arm in ("cudnn", "nocudnn")):

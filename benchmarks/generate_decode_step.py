@@ -21,14 +21,12 @@ report gives, per batch, seconds and the decode step's milliseconds: (whole call
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import click
-from harness import SHAPES, header, shape_option, write_report
+from harness import SHAPES, header, in_child, shape_option, write_report
 
 ARMS = "padded-cudnn:2,padded-nocudnn:2,padded-eager:2,equal-cudnn:1,equal-nocudnn:1"
 
@@ -142,14 +140,10 @@ def main(
         "arms": {},
     }
     for arm in arms.split(","):
-        command = [sys.executable, __file__, "--one", arm, "--shape", shape, "--batch-size", str(batch_size)]
-        command += ["--new-tokens", str(new_tokens), "--min-prompt", str(min_prompt), "--max-prompt", str(max_prompt)]
-        done = subprocess.run(command, capture_output=True, text=True, check=False)
-        lines = done.stdout.strip().splitlines()
-        if done.returncode or not lines:
-            report["arms"][arm] = {"error": (done.stderr.strip().splitlines() or ["no output"])[-1][:300]}
-        else:
-            report["arms"][arm] = json.loads(lines[-1])
+        args = ["--one", arm, "--shape", shape, "--batch-size", str(batch_size), "--new-tokens", str(new_tokens)]
+        report["arms"][arm] = in_child(
+            __file__, *args, "--min-prompt", str(min_prompt), "--max-prompt", str(max_prompt)
+        )
         _summarize(report)
         write_report(out, report)
 

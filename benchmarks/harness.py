@@ -179,6 +179,18 @@ def greedy_equality(evaluation: dict[str, Any], arm: str) -> dict[str, dict[str,
     return rows
 
 
+def in_child(script: str, *args: str) -> dict[str, Any]:
+    """Run ``python script args`` in a process of its own (a fresh CUDA context, allocator and kernel-plan cache)
+    and return the JSON object on the last line it prints, or its last error line under ``error``."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, check=False)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode or not lines:
+        return {"error": (done.stderr.strip().splitlines() or ["no output"])[-1][:300]}
+    return json.loads(lines[-1])
+
+
 def write_report(path: Path | None, report: dict[str, Any], *, machine: bool = True) -> None:
     """Print the result JSON and write it to ``path`` (if given) atomically. With ``machine`` it records this
     machine's facts and package versions (torch, transformers, ...; beside any others the report names): leave it

@@ -49,6 +49,22 @@ def test_report_holds_machine_facts_and_is_written_atomically(tmp_path: Path, mo
     assert not fresh.exists()
 
 
+def test_in_child_returns_the_last_json_line_or_the_error(tmp_path: Path, monkeypatch) -> None:
+    """An arm run in its own process comes back as the JSON object it printed last, or as its last error line."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    harness = importlib.import_module("harness")
+    script = tmp_path / "arm.py"
+    script.write_text(
+        "import json, sys\n"
+        "if sys.argv[1] == 'fail':\n"
+        "    raise SystemExit('arm failed: no CUDA device')\n"
+        "print('warming up')\n"
+        "print(json.dumps({'arm': sys.argv[1], 'seconds': 1.5}))\n"
+    )
+    assert harness.in_child(str(script), "cudnn") == {"arm": "cudnn", "seconds": 1.5}
+    assert harness.in_child(str(script), "fail") == {"error": "arm failed: no CUDA device"}
+
+
 def test_quality_gpu_run_sees_only_live_holders_of_the_dvc_lock(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
     quality_gpu = importlib.import_module("quality_gpu")
