@@ -201,7 +201,7 @@ class GenerateParams(Section):
     """hf backend, padded: let attention use SDPA's cuDNN kernel where torch picks it (CUDA, Hopper). cuDNN builds a
     plan for each new shape and every decode step is one (the key length grows by one), so calls of a batch size
     not met before pay it at every step; false (the default) keeps SDPA's flash and memory-efficient kernels. The
-    stage's backend on its real prompts, one H100: 1.45x the reply tokens/s without cuDNN at batch 2,048 and 1.85x
+    stage's backend on its real prompts, one H100: 1.47x the reply tokens/s without cuDNN at batch 2,048 and 1.85x
     at 700; the generate stage 425 s instead of 496 s (README "Generation"). No effect on CPU."""
     shard_size: PositiveInt = 96
     """Conversations per response shard; a killed run redoes at most one shard."""
