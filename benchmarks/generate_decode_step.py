@@ -141,9 +141,8 @@ def main(
     }
     for arm in arms.split(","):
         args = ["--one", arm, "--shape", shape, "--batch-size", str(batch_size), "--new-tokens", str(new_tokens)]
-        report["arms"][arm] = in_child(
-            __file__, *args, "--min-prompt", str(min_prompt), "--max-prompt", str(max_prompt)
-        )
+        args += ["--min-prompt", str(min_prompt), "--max-prompt", str(max_prompt)]
+        report["arms"][arm] = in_child(__file__, *args)
         _summarize(report)
         write_report(out, report)
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import expman.devices
-from expman.devices import cpu_flags, dtype_name, precision_facts, resolve_dtype, speedup_target
+from expman.devices import attention_kernels, cpu_flags, dtype_name, precision_facts, resolve_dtype, speedup_target
 
 AVX2_ONLY = frozenset({"sse4_2", "avx", "avx2", "fma"})
 AVX512_BF16 = AVX2_ONLY | {"avx512f", "avx512bw", "avx512_bf16"}
@@ -49,3 +49,15 @@ def test_the_flags_are_this_machines() -> None:
     line = next(line for line in cpuinfo.read_text().splitlines() if line.startswith("flags"))
     assert cpu_flags() == frozenset(line.split(":", 1)[1].split())
     assert dtype_name("auto", "cpu") == ("bfloat16" if {"avx512_bf16", "amx_bf16"} & cpu_flags() else "float32")
+
+
+@pytest.mark.parametrize("cudnn", [True, False])
+def test_cudnn_attention_false_turns_only_sdpa_cudnn_off(cudnn: bool) -> None:
+    """cudnn_attention: false (generate's padded generate, evaluate's decode) turns SDPA's cuDNN kernel off and
+    flash and memory-efficient on; true leaves torch's choice as it is; both restore it afterwards."""
+    cuda = torch.backends.cuda
+    before = (cuda.cudnn_sdp_enabled(), cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled())
+    with attention_kernels(cudnn):
+        inside = (cuda.cudnn_sdp_enabled(), cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled())
+    assert inside == (before if cudnn else (False, True, True))
+    assert (cuda.cudnn_sdp_enabled(), cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled()) == before

@@ -350,20 +350,6 @@ def test_continuous_batching_answers_as_padded_batches_do(project: Path, device:
     assert [(o.output_ids, o.finish_reason) for o in got] == [(o.output_ids, o.finish_reason) for o in expected]
 
 
-@pytest.mark.parametrize("cudnn", [True, False])
-def test_cudnn_attention_false_turns_only_sdpa_cudnn_off(cudnn: bool) -> None:
-    """generate.cudnn_attention: false runs padded generate with SDPA's cuDNN kernel off and flash and
-    memory-efficient on; true leaves torch's choice as it is; both restore it afterwards."""
-    from expman.devices import attention_kernels
-
-    cuda = torch.backends.cuda
-    before = (cuda.cudnn_sdp_enabled(), cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled())
-    with attention_kernels(cudnn):
-        inside = (cuda.cudnn_sdp_enabled(), cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled())
-    assert inside == (before if cudnn else (False, True, True))
-    assert (cuda.cudnn_sdp_enabled(), cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled()) == before
-
-
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_padded_generate_without_cudnn_answers_as_with_it(project: Path, device: str) -> None:
     """Greedy in float32 (which cuDNN's attention does not take, so the kernels compute alike): the same replies with
