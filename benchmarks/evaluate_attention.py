@@ -38,7 +38,7 @@ def _one_arm(cudnn: bool, shape: str, prompts: int, lengths: tuple[int, int], ne
         ids = torch.randint(3, SHAPES[shape]["vocab_size"], (length,), generator=generator).tolist()
         records.append({"id": str(n), "category": "random", "input_ids": ids, "prompt_tokens": length})
     section = EvaluateParams(ks=ks, max_new_tokens=new_tokens, cudnn_attention=cudnn)
-    rows = list(_decode_rows(section, (model, set(), {"candidate": drafter}), records))
+    rows = list(_decode_rows(section, (model, set(), {"candidate": drafter}), records, timed=True))
     plain = sum(row["nospec"]["seconds"] for row in rows)
     result: dict[str, Any] = {
         "prompts": len(rows),

@@ -443,8 +443,13 @@ class EvaluateParams(Section):
     plain step 37 -> 19 ms, a k=3 round 46 -> 26 ms, 1.93x per prompt (README "Generation"). No effect on CPU."""
     workers: PositiveInt = 1
     """Processes decoding prompts side by side, each with its own verifier and drafters. On a GPU a batch-1 decode
-    is bound by kernel launches, so one GPU serves several (the arms of a prompt stay in one process, interleaved, so
-    load hits them alike); on CPU keep 1, the cores are already shared by one decode."""
+    is bound by kernel launches, so one GPU serves several (the arms of a prompt stay in one process, interleaved);
+    on CPU each takes its share of the cores."""
+    timed_prompts: PositiveInt | None = None
+    """With ``workers`` > 1: how many prompts (the first of the round-robin order, so every category) this process
+    decodes again alone once the workers finish; tok/s and speedup then come from these only. Processes sharing one
+    GPU slow each other unevenly, so their timings are not what one user's batch-1 decode gets. null: the workers'
+    own timings count (each worker has cores of its own, as the CPU default's one-thread workers)."""
 
     @field_validator("ks")
     @classmethod

@@ -106,6 +106,24 @@ def test_cross_run_pairing_uses_the_prompts_both_evaluated(store: Path) -> None:
     assert speedup["value"] == pytest.approx(3.3 / 2.1) and speedup["baseline"] == pytest.approx(3.1 / 2.25)
 
 
+def test_speedup_comes_from_the_prompts_timed_alone(store: Path) -> None:
+    """evaluate.timed_prompts: a prompt decoded only in a worker sharing the device counts for tau, not speedup."""
+    base, base_sha, cand, cand_sha = _shas(store)
+    add_version("eagle3-tiny", base, alias="baseline")
+    prompts = [
+        _prompt("a", (100, 2.0), baseline=(80, 20, 100, 1.6), candidate=(50, 50, 100, 1.0)),
+        _prompt("b", (60, 1.5), baseline=(50, 10, 60, 1.25), candidate=(40, 20, 60, 1.2)),
+        _prompt("c", (60, 0.5), baseline=(30, 30, 60, 9.0), candidate=(30, 30, 60, 9.0)) | {"timed": False},
+    ]
+    for row in prompts[:2]:
+        row["timed"] = True
+    add_version("eagle3-tiny", cand, evaluation(prompts, [1], {"baseline": base_sha, "candidate": cand_sha}))
+    (row,) = _report("2")["rows"]
+    assert row["prompts"] == 3 and row["metrics"]["tau"]["value"] == pytest.approx(220 / 120)
+    speedup = row["metrics"]["speedup"]
+    assert speedup["value"] == pytest.approx(3.5 / 2.2) and speedup["baseline"] == pytest.approx(3.5 / 2.85)
+
+
 def test_without_a_baseline_there_are_no_deltas(store: Path) -> None:
     _, _, cand, cand_sha = _shas(store)
     prompts = [_prompt("a", (100, 2.0), candidate=(50, 50, 100, 1.0))]

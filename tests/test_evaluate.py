@@ -102,7 +102,8 @@ def test_decode_rows_run_under_evaluate_cudnn_attention(verifier, cudnn: bool) -
     ]
     section = EvaluateParams(ks=[2], max_new_tokens=12, cudnn_attention=cudnn)
     try:
-        rows = list(_decode_rows(section, (verifier, {verifier.config.eos_token_id}, {"candidate": drafter}), records))
+        loaded = (verifier, {verifier.config.eos_token_id}, {"candidate": drafter})
+        rows = list(_decode_rows(section, loaded, records, timed=True))
     finally:
         hook.remove()
     assert seen and set(seen) == {before if cudnn else False}
@@ -305,8 +306,9 @@ def test_baseline_train_and_evaluate_stages_on_the_tiny_project(project: Path, m
     }
     assert shown | {"tags.`expman.stage`"} <= set(columns)
 
-    # two worker processes (evaluate.workers) decode the same rows in the same order; only the timings differ
-    parallel = loaded.evaluate.model_copy(update={"workers": 2})
+    # two worker processes (evaluate.workers) decode the same rows in the same order; only the timings differ, and
+    # the first two prompts (evaluate.timed_prompts) are decoded again here alone: the speedup is theirs only
+    parallel = loaded.evaluate.model_copy(update={"workers": 2, "timed_prompts": 2})
     separate = dataclasses.replace(
         EvaluatePaths.default(),
         out=Path("data/evaluate-2"),
@@ -317,12 +319,23 @@ def test_baseline_train_and_evaluate_stages_on_the_tiny_project(project: Path, m
 
     def untimed(value: Any) -> Any:
         if isinstance(value, dict):
-            return {key: untimed(item) for key, item in value.items() if key != "seconds"}
+            return {key: untimed(item) for key, item in value.items() if key not in ("seconds", "timed")}
         return [untimed(item) for item in value] if isinstance(value, list) else value
 
     evaluated_in_workers = json.loads((project / "data/evaluate-2/evaluation.json").read_text())
     assert evaluated_in_workers["workers"] == 2
     assert untimed(evaluated_in_workers["prompts"]) == untimed(evaluation["prompts"])
+    assert [row["timed"] for row in evaluated_in_workers["prompts"]] == [True, True, False, False]
+    assert all(row["timed"] for row in evaluation["prompts"])  # one process: every prompt timed as decoded
+    timed_rows, summary = evaluated_in_workers["prompts"][:2], evaluated_in_workers["summary"]
+
+    def tok_per_s(parts: list[dict]) -> float:
+        return sum(part["tokens"] for part in parts) / sum(part["seconds"] for part in parts)
+
+    nospec = tok_per_s([row["nospec"] for row in timed_rows])
+    assert summary["timed_prompts"] == 2 and summary["nospec"]["tok_per_s"] == pytest.approx(nospec)
+    speedup = tok_per_s([row["candidate"]["3"] for row in timed_rows]) / nospec
+    assert summary["candidate"]["k3"]["speedup"] == pytest.approx(speedup)
     assert json.loads((project / paths.EVALUATE_METRICS).read_text())["candidate"]["k3"]["tau"] >= 1.0
 
     # Ctrl-C at the third prompt, then the same evaluation again: it decodes only the prompts it had not reached

@@ -329,23 +329,30 @@ def _pooled(rows: list[dict[str, Any]], k: int) -> dict[str, Any]:
         "tau": (accepted + rounds) / rounds if rounds else 1.0,
         "acceptance_rate": accepted / drafted if drafted else 0.0,
         "per_position": [count / rounds if rounds else 0.0 for count in per_position],
-        "tok_per_s": sum(r["tokens"] for r in rows) / max(sum(r["seconds"] for r in rows), 1e-9),
         "greedy_mismatches": sum(r["matches_greedy"] is False for r in rows),
         "greedy_tie_flips": sum(bool(r.get("greedy_divergence")) and r["matches_greedy"] is True for r in rows),
     }
 
 
+def _tok_per_s(rows: list[dict[str, Any]]) -> float | None:
+    """Tokens per second over the rows' decodes; None without any (no prompt of a category was timed)."""
+    return sum(r["tokens"] for r in rows) / max(sum(r["seconds"] for r in rows), 1e-9) if rows else None
+
+
 def summarize(prompts: list[dict[str, Any]], arms: list[str], ks: list[int]) -> dict[str, Any]:
-    """τ, acceptance, per-position rates, tok/s and speedup per arm and k, overall and per category."""
+    """τ, acceptance, per-position rates, tok/s and speedup per arm and k, overall and per category; tok/s and speedup
+    over the timed prompts only."""
 
     def block(rows: list[dict[str, Any]]) -> dict[str, Any]:
-        nospec = sum(r["nospec"]["tokens"] for r in rows) / max(sum(r["nospec"]["seconds"] for r in rows), 1e-9)
-        result: dict[str, Any] = {"prompts": len(rows), "nospec": {"tok_per_s": nospec}}
+        timed = [r for r in rows if r.get("timed", True)]  # rows written before the key existed were all timed
+        nospec = _tok_per_s([r["nospec"] for r in timed])
+        result: dict[str, Any] = {"prompts": len(rows), "timed_prompts": len(timed), "nospec": {"tok_per_s": nospec}}
         for arm in arms:
             result[arm] = {}
             for k in ks:
                 pooled = _pooled([r[arm][str(k)] for r in rows], k)
-                pooled["speedup"] = pooled["tok_per_s"] / nospec
+                pooled["tok_per_s"] = _tok_per_s([r[arm][str(k)] for r in timed])
+                pooled["speedup"] = None if nospec is None else pooled["tok_per_s"] / nospec
                 result[arm][f"k{k}"] = pooled
         return result
 
@@ -490,10 +497,13 @@ def _prompt_row(model, drafters: dict[str, Any], record: dict[str, Any], section
 
 
 def _decode_rows(
-    section: EvaluateParams, loaded: tuple[Any, set[int], dict[str, Eagle3Drafter]], prompts: list[dict[str, Any]]
+    section: EvaluateParams,
+    loaded: tuple[Any, set[int], dict[str, Eagle3Drafter]],
+    prompts: list[dict[str, Any]],
+    timed: bool,
 ) -> Iterator[dict[str, Any]]:
     """Warm the loaded models up outside the timings, then yield the prompts' rows one by one, the arms
-    interleaved."""
+    interleaved; ``timed``: whether the rows' seconds count for tok/s and speedup."""
     model, eos_ids, drafters = loaded
     first = prompts[0]["input_ids"][: prompts[0]["prompt_tokens"]]
     with attention_kernels(section.cudnn_attention):
@@ -503,13 +513,15 @@ def _decode_rows(
     for record in prompts:
         with attention_kernels(section.cudnn_attention):
             row = _prompt_row(model, drafters, record, section, eos_ids)
-        yield row
+        yield row | {"timed": timed}
 
 
 def _decode_worker(decoding: _Decoding, prompts: list[dict[str, Any]], rows_path: Path, threads: int) -> None:
-    """A worker process: its share of the prompts, one JSON row per line as each finishes."""
+    """A worker process: its share of the prompts, one JSON row per line as each finishes; its timings count
+    unless prompts are timed again alone (``evaluate.timed_prompts``)."""
     torch.set_num_threads(threads)
-    _write_rows(_decode_rows(decoding.section, decoding.load(), prompts), rows_path)
+    timed = decoding.section.timed_prompts is None
+    _write_rows(_decode_rows(decoding.section, decoding.load(), prompts, timed), rows_path)
 
 
 def _write_rows(rows: Iterator[dict[str, Any]], rows_path: Path) -> None:
@@ -523,7 +535,8 @@ def _write_rows(rows: Iterator[dict[str, Any]], rows_path: Path) -> None:
 
 
 def _finished_rows(folder: Path) -> dict[str, dict[str, Any]]:
-    """The rows an earlier, killed run of the same evaluation wrote, by prompt id (a line cut short is skipped)."""
+    """The rows an earlier, killed run of the same evaluation wrote, by prompt id (a line cut short is skipped); a
+    prompt timed alone keeps that row over its worker's."""
     import json
 
     rows: dict[str, dict[str, Any]] = {}
@@ -533,7 +546,8 @@ def _finished_rows(folder: Path) -> dict[str, dict[str, Any]]:
                 row = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            rows[row["id"]] = row
+            if row["id"] not in rows or row["timed"]:
+                rows[row["id"]] = row
     return rows
 
 
@@ -601,7 +615,8 @@ def _measure(
     folder: Path,
 ) -> tuple[list[dict[str, Any]], int]:
     """Every prompt's row, in prompt order, and how many came from a killed earlier run: the rest decoded with
-    the models loaded here, or in ``evaluate.workers`` processes (``loaded`` None)."""
+    the models loaded here, or in ``evaluate.workers`` processes (``loaded`` None) and then, with
+    ``evaluate.timed_prompts``, that many decoded again here alone for the timings."""
     from tqdm import tqdm
 
     finished = _finished_rows(folder)
@@ -612,11 +627,25 @@ def _measure(
         if todo and loaded is None:
             finished = _decode_in_workers(decoding, todo, folder, bar)
         elif todo:
-            _write_rows(
-                _counted(_decode_rows(decoding.section, loaded, todo), bar), folder / f"rows-{time.time_ns()}.jsonl"
-            )
+            _decode_here(decoding.section, loaded, todo, folder, bar)
             finished = _finished_rows(folder)
+    untimed = [record for record in prompts[: decoding.section.timed_prompts] if not finished[record["id"]]["timed"]]
+    if untimed:
+        with tqdm(total=len(untimed), desc="evaluate (timed alone)", unit="prompt") as bar:
+            _decode_here(decoding.section, loaded or decoding.load(), untimed, folder, bar)
+        finished = _finished_rows(folder)
     return [finished[record["id"]] for record in prompts], reused
+
+
+def _decode_here(
+    section: EvaluateParams,
+    loaded: tuple[Any, set[int], dict[str, Eagle3Drafter]],
+    prompts: list[dict[str, Any]],
+    folder: Path,
+    bar: Any,
+) -> None:
+    """The prompts decoded in this process, alone on its device: their timings count."""
+    _write_rows(_counted(_decode_rows(section, loaded, prompts, True), bar), folder / f"rows-{time.time_ns()}.jsonl")
 
 
 def _flat_metrics(summary: dict[str, Any], arms: Sequence[str]) -> dict[str, float]:

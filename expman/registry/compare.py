@@ -5,7 +5,8 @@ and bootstrap confidence intervals, recomputed from the per-prompt results of ea
 Definitions (DESIGN.md), pooled over prompts: tau = (sum accepted + sum rounds) / sum rounds, the mean over
 rounds of accepted + 1; acceptance rate = sum accepted / sum drafted; the rate at chain position i = sum
 accepted_per_position[i] / sum rounds; speedup = tok/s(arm) / tok/s(no speculation) of the same evaluation run,
-tok/s = sum tokens / sum seconds. Every 95 % CI is a percentile bootstrap over prompts: 2,000 resamples with
+tok/s = sum tokens / sum seconds over the prompts the run timed (all, unless ``evaluate.timed_prompts`` timed a
+few alone). Every 95 % CI is a percentile bootstrap over prompts: 2,000 resamples with
 replacement, seed 0, so the same store always prints the same intervals.
 
 Pairing with the baseline version, always by prompt id: when the version's own evaluation run also ran the
@@ -72,6 +73,7 @@ class ArmResults:
             counts["per_position"] = np.array([[float(x) for x in r["accepted_per_position"]] for r in results])
             counts["nospec_tokens"] = np.array([float(p["nospec"]["tokens"]) for p in prompts])
             counts["nospec_seconds"] = np.array([float(p["nospec"]["seconds"]) for p in prompts])
+            counts["timed"] = np.array([float(p.get("timed", True)) for p in prompts])  # absent: written all timed
             ids = tuple(str(p["id"]) for p in prompts)
             greedy = np.array([np.nan if r["matches_greedy"] is None else float(r["matches_greedy"]) for r in results])
         except (KeyError, TypeError, ValueError) as err:
@@ -100,8 +102,9 @@ def _metrics(arm: ArmResults, resamples: np.ndarray | None = None) -> dict[str, 
         per_position = total(c["per_position"])
         for i in range(per_position.shape[-1]):
             metrics[f"position_{i + 1}"] = per_position[..., i] / rounds
-        speculative = total(c["tokens"]) / total(c["seconds"])
-        metrics["speedup"] = speculative / (total(c["nospec_tokens"]) / total(c["nospec_seconds"]))
+        timed = c["timed"]  # speedup from the prompts decoded alone only (evaluate.timed_prompts)
+        speculative = total(c["tokens"] * timed) / total(c["seconds"] * timed)
+        metrics["speedup"] = speculative / (total(c["nospec_tokens"] * timed) / total(c["nospec_seconds"] * timed))
     return metrics
 
 
