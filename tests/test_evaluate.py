@@ -367,6 +367,20 @@ def test_baseline_train_and_evaluate_stages_on_the_tiny_project(project: Path, m
     assert untimed(evaluated_again["prompts"]) == untimed(evaluation["prompts"])
     assert not state.exists()
 
+    # Ctrl-C in the timing pass (workers done, the second prompt being timed alone): the workers' rows and the first
+    # timed row are kept; the same evaluation again starts no worker and times only the second prompt
+    timed_pass = dataclasses.replace(separate, out=Path("data/evaluate-4"), metrics=Path("metrics/evaluate-4.json"))
+    decoded.clear()  # the workers are spawned: only this process's decodes, the timing pass's, are seen here
+    interrupt_at = 1
+    with pytest.raises(KeyboardInterrupt):
+        evaluate(loaded.model_copy(update={"evaluate": parallel}), timed_pass)
+    interrupt_at = None
+    evaluate(loaded.model_copy(update={"evaluate": parallel}), timed_pass)
+    assert decoded == every_prompt[:2]
+    timed_again = json.loads((project / "data/evaluate-4/evaluation.json").read_text())
+    assert [row["timed"] for row in timed_again["prompts"]] == [True, True, False, False]
+    assert timed_again["resumed_prompts"] == 4 and timed_again["summary"]["timed_prompts"] == 2
+
     # the tables dvc plots draws, and the same pictures in the run
     from expman.plots import read_table
 
