@@ -55,6 +55,8 @@ def test_train_outputs_and_curves(project: Path) -> None:
     for name in ("train/cond_acc_2", "train/sim_tau_k3", "lr", "tok_per_s", "val/acc_0", "val/sim_tau_k1", "val/loss"):
         assert name in train_run.data.metrics, name
     assert [a.path for a in MlflowClient().list_artifacts(train_run.info.run_id, "figures")] == ["figures/train.png"]
+    waits = MlflowClient().get_metric_history(train_run.info.run_id, "epoch_input_wait")
+    assert sorted(m.step for m in waits) == [0, 1] and all(0.0 <= m.value < 1.0 for m in waits)
 
     assert train_run.data.tags["expman.upstream.extract.run_id"] == by_stage["extract"].info.run_id
     assert train_run.data.tags["expman.upstream.vocab.run_id"] == by_stage["vocab"].info.run_id
@@ -70,6 +72,34 @@ def test_train_outputs_and_curves(project: Path) -> None:
     assert len(heldout) == 2 and heldout[-1]["step"] == total
     assert heldout[-1]["acc_0"] == pytest.approx(metrics["acc_0"], rel=1e-5)
     assert heldout[-1]["loss"] == pytest.approx(metrics["loss"], rel=1e-5)
+
+
+def test_a_slow_feed_shows_as_input_wait(project: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """epoch_input_wait: the share of an epoch the steps spent waiting for batches; a feed held back 50 ms a batch
+    (far longer than a tiny step) fills most of it."""
+    import time
+
+    from mlflow import MlflowClient
+
+    run_until("vocab")
+    real_feed = train_module._feed
+
+    class HeldBack:
+        def __init__(self, feed) -> None:
+            self.feed = feed
+
+        def __iter__(self):
+            for batch in self.feed:
+                time.sleep(0.05)
+                yield batch
+
+        def close(self) -> None:
+            self.feed.close()
+
+    monkeypatch.setattr(train_module, "_feed", lambda *args, **kwargs: HeldBack(real_feed(*args, **kwargs)))
+    manifest = run_train()
+    waits = MlflowClient().get_metric_history(manifest["provenance"]["mlflow_run_id"], "epoch_input_wait")
+    assert len(waits) == 2 and all(m.value > 0.5 for m in waits)
 
 
 @pytest.mark.parametrize("crash_at", [5, 9])  # objective calls: in epoch 0, and in epoch 1 past a checkpoint

@@ -13,7 +13,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -426,6 +426,7 @@ class _Loop:
         self.reader, self.stage, self.history = reader, stage, history
         self.step, self.tokens, self.started = 0, 0, time.perf_counter()
         self.epoch_tokens, self.epoch_started, self.warm = 0, self.started, False
+        self.epoch_waited = 0.0  # seconds this epoch's steps waited for their batches from the feed
 
     def run(self, run, plans, step, val_batches, state_dir: Path, plan_key: str) -> dict[str, float]:
         """Train from ``step`` to the end of ``plans`` (per epoch, the optimizer steps' micro-batch groups);
@@ -447,7 +448,7 @@ class _Loop:
                 metrics = training_step(
                     self.drafter,
                     self.head,
-                    [next(batches) for _ in own],
+                    self._take(batches, len(own)),
                     self.optimizer,
                     self.scheduler,
                     section,
@@ -455,7 +456,7 @@ class _Loop:
                     self.device,
                     len(group),
                     parallel,
-                    [next(batches) for _ in fill],
+                    self._take(batches, len(fill)),
                 )
                 self.step += 1
                 self._count_tokens(group)
@@ -487,12 +488,19 @@ class _Loop:
         accumulate = self.section.accumulate
         return todo, [(self.parallel.share(g, accumulate), self.parallel.fillers(g, accumulate)) for _, g in todo]
 
+    def _take(self, batches: Iterator[Any], count: int) -> list[Any]:
+        """The step's next ``count`` batches from the feed, the time spent waiting for them counted."""
+        started = time.perf_counter()
+        taken = [next(batches) for _ in range(count)]
+        self.epoch_waited += time.perf_counter() - started
+        return taken
+
     def _count_tokens(self, group: list[list[SampleRef]]) -> None:
         """The first step compiles (on CUDA): rates are timed from its end, so its tokens are not counted."""
         if not self.warm:
             self._synchronize()
             self.epoch_tokens, self.epoch_started, self.warm = 0, time.perf_counter(), True
-            self.tokens, self.started = 0, self.epoch_started
+            self.tokens, self.started, self.epoch_waited = 0, self.epoch_started, 0.0
         else:
             tokens = _tokens(group, self.section.max_tokens)
             self.epoch_tokens += tokens
@@ -501,8 +509,9 @@ class _Loop:
     def _log_epoch_rate(self, run: StageRun, epoch: int) -> None:
         self._synchronize()
         seconds = time.perf_counter() - self.epoch_started
-        if self.parallel.main and self.epoch_tokens:
-            run.log_metrics({"epoch_tok_per_s": self.epoch_tokens / seconds}, step=epoch)
+        if self.parallel.main and self.epoch_tokens:  # a feed that cannot keep up shows as a large input-wait share
+            rate = {"epoch_tok_per_s": self.epoch_tokens / seconds, "epoch_input_wait": self.epoch_waited / seconds}
+            run.log_metrics(rate, step=epoch)
 
     def _end_epoch(self, run: StageRun, val_batches) -> dict[str, float]:
         """The held-out metrics after an epoch (empty without validation batches); the next epoch's rate starts."""
@@ -512,7 +521,7 @@ class _Loop:
             if self.parallel.main:
                 run.log_metrics({f"val/{k}": v for k, v in final.items()}, step=self.step)
                 self.history["heldout"].append(train_row(self.step, final, self.section.ttt_steps))
-        self.epoch_tokens, self.epoch_started = 0, time.perf_counter()
+        self.epoch_tokens, self.epoch_started, self.epoch_waited = 0, time.perf_counter(), 0.0
         return final
 
     def _synchronize(self) -> None:
