@@ -151,7 +151,8 @@ def _wait_for_lock_holders(seconds: float) -> bool:
 
 def _stage_runs() -> dict[str, list[dict[str, Any]]]:
     """Per stage, its MLflow runs in this project's store, oldest first: status, seconds, the DVC experiment that
-    ran it (none for a stage script run by hand) and the commit."""
+    ran it (none for a stage script run by hand) and the commit; for a training stage, each epoch's rate and share
+    spent waiting for the feed."""
     import mlflow
 
     mlflow.set_tracking_uri(f"sqlite:///{Path('mlflow.db').resolve()}")
@@ -167,9 +168,20 @@ def _stage_runs() -> dict[str, list[dict[str, Any]]]:
                 "seconds": (run.info.end_time - run.info.start_time) / 1000,
                 "dvc_experiment": run.data.tags.get("dvc.exp_name"),
                 "git_sha": run.data.tags.get("git.sha"),
+                **({"epochs": _epochs(run.info.run_id)} if stage in ("baseline", "train") else {}),
             }
         )
     return {stage: stages[stage] for stage in STAGES if stage in stages}
+
+
+def _epochs(run_id: str) -> list[dict[str, Any]]:
+    """The training run's ``epoch_tok_per_s`` and ``epoch_input_wait`` (absent before the stage logged it), by epoch."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient()
+    rates = {m.step: m.value for m in client.get_metric_history(run_id, "epoch_tok_per_s")}
+    waits = {m.step: m.value for m in client.get_metric_history(run_id, "epoch_input_wait")}
+    return [{"epoch": e, "tok_per_s": rates[e], "input_wait": waits.get(e)} for e in sorted(rates)]
 
 
 def _data_sizes() -> dict[str, Any]:
@@ -198,6 +210,7 @@ def _tau(evaluation: dict[str, Any]) -> dict[str, Any]:
 
     return {
         "prompts": summary["prompts"],
+        "timed_prompts": summary.get("timed_prompts"),  # the prompts speedup comes from (evaluate.timed_prompts)
         "tau": per_k(summary),
         "speedup": {arm: {key: v["speedup"] for key, v in summary[arm].items()} for arm in arms},
         "tau_by_category": {c: per_k(block) for c, block in summary["by_category"].items()},
