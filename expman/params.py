@@ -446,10 +446,11 @@ class EvaluateParams(Section):
     is bound by kernel launches, so one GPU serves several (the arms of a prompt stay in one process, interleaved);
     on CPU each takes its share of the cores."""
     timed_prompts: PositiveInt | None = None
-    """With ``workers`` > 1: how many prompts (the first of the round-robin order, so every category) this process
-    decodes again alone once the workers finish; tok/s and speedup then come from these only. Processes sharing one
-    GPU slow each other unevenly, so their timings are not what one user's batch-1 decode gets. null: the workers'
-    own timings count (each worker has cores of its own, as the CPU default's one-thread workers)."""
+    """With ``workers`` > 1: how many prompts (the first of the round-robin order, so every category) the workers
+    leave to this process, which decodes them alone once they finish; tok/s and speedup come from these only.
+    Processes sharing one GPU slow each other unevenly, so their timings are not what one user's batch-1 decode
+    gets. null: the workers' own timings count (each worker has cores of its own, as the CPU default's one-thread
+    workers)."""
 
     @field_validator("ks")
     @classmethod

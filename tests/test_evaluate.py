@@ -307,7 +307,8 @@ def test_baseline_train_and_evaluate_stages_on_the_tiny_project(project: Path, m
     assert shown | {"tags.`expman.stage`"} <= set(columns)
 
     # two worker processes (evaluate.workers) decode the same rows in the same order; only the timings differ, and
-    # the first two prompts (evaluate.timed_prompts) are decoded again here alone: the speedup is theirs only
+    # the first two prompts (evaluate.timed_prompts) are left to this process, decoded alone after the workers: the
+    # speedup is theirs only
     parallel = loaded.evaluate.model_copy(update={"workers": 2, "timed_prompts": 2})
     separate = dataclasses.replace(
         EvaluatePaths.default(),
@@ -368,7 +369,7 @@ def test_baseline_train_and_evaluate_stages_on_the_tiny_project(project: Path, m
     assert not state.exists()
 
     # Ctrl-C in the timing pass (workers done, the second prompt being timed alone): the workers' rows and the first
-    # timed row are kept; the same evaluation again starts no worker and times only the second prompt
+    # timed row are kept (3 resumed); the same evaluation again starts no worker and times only the second prompt
     timed_pass = dataclasses.replace(separate, out=Path("data/evaluate-4"), metrics=Path("metrics/evaluate-4.json"))
     decoded.clear()  # the workers are spawned: only this process's decodes, the timing pass's, are seen here
     interrupt_at = 1
@@ -379,7 +380,7 @@ def test_baseline_train_and_evaluate_stages_on_the_tiny_project(project: Path, m
     assert decoded == every_prompt[:2]
     timed_again = json.loads((project / "data/evaluate-4/evaluation.json").read_text())
     assert [row["timed"] for row in timed_again["prompts"]] == [True, True, False, False]
-    assert timed_again["resumed_prompts"] == 4 and timed_again["summary"]["timed_prompts"] == 2
+    assert timed_again["resumed_prompts"] == 3 and timed_again["summary"]["timed_prompts"] == 2
 
     # the tables dvc plots draws, and the same pictures in the run
     from expman.plots import read_table

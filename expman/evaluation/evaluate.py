@@ -518,7 +518,7 @@ def _decode_rows(
 
 def _decode_worker(decoding: _Decoding, prompts: list[dict[str, Any]], rows_path: Path, threads: int) -> None:
     """A worker process: its share of the prompts, one JSON row per line as each finishes; its timings count
-    unless prompts are timed again alone (``evaluate.timed_prompts``)."""
+    unless some prompts are timed alone instead (``evaluate.timed_prompts``)."""
     torch.set_num_threads(threads)
     timed = decoding.section.timed_prompts is None
     _write_rows(_decode_rows(decoding.section, decoding.load(), prompts, timed), rows_path)
@@ -535,8 +535,7 @@ def _write_rows(rows: Iterator[dict[str, Any]], rows_path: Path) -> None:
 
 
 def _finished_rows(folder: Path) -> dict[str, dict[str, Any]]:
-    """The rows an earlier, killed run of the same evaluation wrote, by prompt id (a line cut short is skipped); a
-    prompt timed alone keeps that row over its worker's."""
+    """The rows an earlier, killed run of the same evaluation wrote, by prompt id (a line cut short is skipped)."""
     import json
 
     rows: dict[str, dict[str, Any]] = {}
@@ -546,8 +545,7 @@ def _finished_rows(folder: Path) -> dict[str, dict[str, Any]]:
                 row = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if row["id"] not in rows or row["timed"]:
-                rows[row["id"]] = row
+            rows[row["id"]] = row
     return rows
 
 
@@ -566,9 +564,7 @@ def _state_folder(where: EvaluatePaths, key: dict[str, Any]) -> Path:
     return folder
 
 
-def _decode_in_workers(
-    decoding: _Decoding, prompts: list[dict[str, Any]], folder: Path, bar: Any
-) -> dict[str, dict[str, Any]]:
+def _decode_in_workers(decoding: _Decoding, prompts: list[dict[str, Any]], folder: Path, bar: Any) -> None:
     """Prompts dealt round-robin to ``evaluate.workers`` processes, each with its own verifier and drafters (a batch-1
     decode on a GPU is bound by kernel launches, so one GPU serves several), each appending to its rows file."""
     import os
@@ -598,7 +594,6 @@ def _decode_in_workers(
     if failed:
         code = processes[failed[0]].exitcode
         raise ExpmanError(f"evaluate: worker {failed[0]} exited with {code} (its error is above)")
-    return _finished_rows(folder)
 
 
 def _counted(rows: Iterator[dict[str, Any]], bar: Any) -> Iterator[dict[str, Any]]:
@@ -615,25 +610,23 @@ def _measure(
     folder: Path,
 ) -> tuple[list[dict[str, Any]], int]:
     """Every prompt's row, in prompt order, and how many came from a killed earlier run: the rest decoded with
-    the models loaded here, or in ``evaluate.workers`` processes (``loaded`` None) and then, with
-    ``evaluate.timed_prompts``, that many decoded again here alone for the timings."""
+    the models loaded here, or in ``evaluate.workers`` processes (``loaded`` None), except the first
+    ``evaluate.timed_prompts``, decoded here alone once the workers finish, for the timings."""
     from tqdm import tqdm
 
-    finished = _finished_rows(folder)
-    todo = [record for record in prompts if record["id"] not in finished]
+    section = decoding.section
+    todo = [record for record in prompts if record["id"] not in _finished_rows(folder)]
     reused = len(prompts) - len(todo)
-    workers = "" if loaded is not None else f" ({min(decoding.section.workers, max(len(todo), 1))} workers)"
+    alone = {record["id"] for record in prompts[: section.timed_prompts]} if section.timed_prompts else set()
+    shared = [] if loaded is not None else [record for record in todo if record["id"] not in alone]
+    here = [record for record in todo if record not in shared]
+    workers = f" ({min(section.workers, len(shared))} workers)" if shared else ""
     with tqdm(total=len(prompts), initial=reused, desc=f"evaluate{workers}", unit="prompt") as bar:
-        if todo and loaded is None:
-            finished = _decode_in_workers(decoding, todo, folder, bar)
-        elif todo:
-            _decode_here(decoding.section, loaded, todo, folder, bar)
-            finished = _finished_rows(folder)
-    untimed = [record for record in prompts[: decoding.section.timed_prompts] if not finished[record["id"]]["timed"]]
-    if untimed:
-        with tqdm(total=len(untimed), desc="evaluate (timed alone)", unit="prompt") as bar:
-            _decode_here(decoding.section, loaded or decoding.load(), untimed, folder, bar)
-        finished = _finished_rows(folder)
+        if shared:
+            _decode_in_workers(decoding, shared, folder, bar)
+        if here:
+            _decode_here(section, loaded or decoding.load(), here, folder, bar)
+    finished = _finished_rows(folder)
     return [finished[record["id"]] for record in prompts], reused
 
 
