@@ -83,7 +83,7 @@ def speedup_target(device: str, dtype: str) -> str:
 def attention_kernels(cudnn: bool) -> contextlib.AbstractContextManager[Any]:
     """SDPA's kernels for decoding: torch's own choice (cuDNN on Hopper), or all but cuDNN. cuDNN builds a plan for
     each new shape and a decode step is one (the key length grows by one), so a decode that meets new shapes pays
-    it at every step (``generate.cudnn_attention``, ``evaluate.cudnn_attention``; README "Generation")."""
+    it at every step (``generate.cudnn_attention``, ``evaluate.cudnn_attention``; docs/performance.md "Generation")."""
     if cudnn:
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel

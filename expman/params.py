@@ -196,13 +196,13 @@ class GenerateParams(Section):
     """hf backend: padded = left-padded batches through ``generate``, every row decoding until the batch's
     longest reply ends; continuous = transformers' continuous batching (paged KV cache, a finished reply's slot
     refilled at once). Continuous ran at 0.41x padded's tokens/s on one H100 and a third to a half on 2 CPU cores
-    (``benchmarks/generate_backends.py``, README "Generation")."""
+    (``benchmarks/generate_backends.py``, docs/performance.md "Generation")."""
     cudnn_attention: bool = False
     """hf backend, padded: let attention use SDPA's cuDNN kernel where torch picks it (CUDA, Hopper). cuDNN builds a
     plan for each new shape and every decode step is one (the key length grows by one), so calls of a batch size
     not met before pay it at every step; false (the default) keeps SDPA's flash and memory-efficient kernels. The
     stage's backend on its real prompts, one H100: 1.47x the reply tokens/s without cuDNN at batch 2,048 and 1.85x
-    at 700; the generate stage 425 s instead of 496 s (README "Generation"). No effect on CPU."""
+    at 700; the generate stage 425 s instead of 496 s (docs/performance.md "Generation"). No effect on CPU."""
     shard_size: PositiveInt = 96
     """Conversations per response shard; a killed run redoes at most one shard."""
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -440,7 +440,8 @@ class EvaluateParams(Section):
     """CUDA: let the verifier's and drafters' attention use SDPA's cuDNN kernel where torch picks it (Hopper). A
     batch-1 decode meets a new shape at every step and cuDNN builds a plan for each; false keeps flash and
     memory-efficient kernels. One H100, this stage's decode in one process (random weights of SmolLM2's shape): a
-    plain step 37 -> 19 ms, a k=3 round 46 -> 26 ms, 1.93x per prompt (README "Generation"). No effect on CPU."""
+    plain step 37 -> 19 ms, a k=3 round 46 -> 26 ms, 1.93x per prompt (docs/performance.md "Generation"). No effect
+    on CPU."""
     workers: PositiveInt = 1
     """Processes decoding prompts side by side, each with its own verifier and drafters. On a GPU a batch-1 decode
     is bound by kernel launches, so one GPU serves several (the arms of a prompt stay in one process, interleaved);

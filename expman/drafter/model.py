@@ -169,8 +169,8 @@ class DocumentSpans:
     Each document attends only within itself: causal over step 0 (``is_causal``, so the kernel skips the upper
     half), its own position over steps 1..k. The attention then costs Σ n² over the documents instead of
     (k+1)·T² over the row: on 2 CPU cores and 1,024-token rows of about four documents, 0.62 of a 2.35 s step
-    went to the masked row-wide attention (README, "Training"); the quality preset's train stage went from 2.07 to
-    1.60 s a step (benchmarks/results/quality_cpu_avx2.json). A padding run (id -1)
+    went to the masked row-wide attention (docs/performance.md, "The training step"); the quality preset's train
+    stage went from 2.07 to 1.60 s a step (benchmarks/results/quality_cpu_avx2.json). A padding run (id -1)
     attends only to itself, so no query is left without a key; padding never reaches the loss.
     """
 
