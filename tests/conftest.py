@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,26 @@ CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+
+
+TRACKING_VARIABLES = ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")
+
+
+@pytest.fixture(autouse=True)
+def _no_tracking_store_across_tests() -> Iterator[None]:
+    """No test inherits another's MLflow store: ``mlflow.set_tracking_uri`` (which tests call to read a project's
+    runs) exports ``MLFLOW_TRACKING_URI`` to the whole process, and a later test's stages would then write to that
+    project's store, whose folder pytest may have removed."""
+    for name in TRACKING_VARIABLES:
+        os.environ.pop(name, None)
+    yield
+    if "mlflow" in sys.modules:
+        import mlflow
+
+        mlflow.set_tracking_uri(None)
+        mlflow.set_registry_uri(None)
+    for name in TRACKING_VARIABLES:
+        os.environ.pop(name, None)
 
 
 def _tiny_tokenizer(folder: Path) -> None:

@@ -130,6 +130,30 @@ def _metadata(path: Path) -> dict[str, str]:
         return handle.metadata()
 
 
+def test_stages_of_two_projects_in_one_process_record_to_their_own_stores(
+    project: Path, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stage run leaves MLflow's process-wide tracking URI as it found it (``mlflow.set_tracking_uri`` exports it
+    to the environment), so the next project's stage in the same process records to that project's own store."""
+    import os
+
+    import mlflow
+
+    run_until("prepare")
+    assert "MLFLOW_TRACKING_URI" not in os.environ and "MLFLOW_REGISTRY_URI" not in os.environ
+    other = tmp_path_factory.mktemp("other-project")
+    for name in ("params.yaml", "tiny-verifier", "prompts"):
+        source = project / name
+        (shutil.copytree if source.is_dir() else shutil.copy)(source, other / name)
+    monkeypatch.chdir(other)
+    run_until("prepare")
+    for folder in (project, other):
+        client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{folder / 'mlflow.db'}")
+        experiments = [e.experiment_id for e in client.search_experiments()]
+        stages = [r.data.tags["expman.stage"] for r in client.search_runs(experiments)]
+        assert stages == ["prepare"], folder
+
+
 def test_extract_resumes_after_crash_with_identical_output(project: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     run_until("extract")
     uninterrupted = snapshot(project)

@@ -225,6 +225,27 @@ def lineage_tags(upstream: Mapping[str, Mapping[str, str]]) -> dict[str, str]:
 
 
 @contextmanager
+def _store(uri: str) -> Iterator[None]:
+    """MLflow's process-wide tracking and registry URIs set to ``uri`` for the block, then put back as they were.
+    ``mlflow.set_tracking_uri`` also exports ``MLFLOW_TRACKING_URI`` (for subprocesses: the block's evaluate workers
+    and torchrun ranks inherit it); left set, it would send a later stage in the same process, run from another
+    project, to this project's store."""
+    import mlflow
+
+    saved = {name: os.environ.get(name) for name in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(uri)
+    try:
+        yield
+    finally:
+        mlflow.set_tracking_uri(saved["MLFLOW_TRACKING_URI"])  # None unsets it
+        mlflow.set_registry_uri(saved["MLFLOW_REGISTRY_URI"])
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+
+
+@contextmanager
 def stage_run(stage: str, params: Mapping[str, Any], upstream: Mapping[str, Mapping[str, str]]) -> Iterator[StageRun]:
     """Open the MLflow run of one stage execution; it ends FAILED if the stage raises."""
     import mlflow
@@ -232,30 +253,30 @@ def stage_run(stage: str, params: Mapping[str, Any], upstream: Mapping[str, Mapp
 
     root = Path.cwd().resolve()
     uri = default_tracking_uri(root)
-    mlflow.set_tracking_uri(uri)
-    client = MlflowClient()
-    experiment_id = _experiment_id(client, os.environ.get("MLFLOW_EXPERIMENT_NAME", "expman"), uri, root)
-    sha = git_sha(root)
-    tags = {"expman.stage": stage, "git.sha": sha, "mlflow.source.git.commit": sha}
-    for env, tag in (("DVC_EXP_NAME", "dvc.exp_name"), ("DVC_EXP_BASELINE_REV", "dvc.baseline_rev")):
-        if os.environ.get(env):
-            tags[tag] = os.environ[env]
-    if (root / "dvc.lock").is_file():
-        tags["dvc.lock.sha256"] = sha256_file(root / "dvc.lock")
-    tags.update(lineage_tags(upstream))
-    lines = [f"expman stage **{stage}**."]
-    for name, entry in upstream.items():
-        if entry.get("mlflow_run_id"):
-            lines.append(f"- input from {name}: {_run_link(client, entry['mlflow_run_id'])}")
-    tags["mlflow.note.content"] = "\n".join(lines)
-    run_name = f"{os.environ['DVC_EXP_NAME']}/{stage}" if os.environ.get("DVC_EXP_NAME") else stage
-    with mlflow.start_run(experiment_id=experiment_id, run_name=run_name, tags=tags) as run:
-        mlflow.log_params(_flatten(params))
-        handle = StageRun(run.info.run_id, stage, params, upstream)
-        try:
-            yield handle
-        finally:
-            handle.flush()
+    with _store(uri):
+        client = MlflowClient()
+        experiment_id = _experiment_id(client, os.environ.get("MLFLOW_EXPERIMENT_NAME", "expman"), uri, root)
+        sha = git_sha(root)
+        tags = {"expman.stage": stage, "git.sha": sha, "mlflow.source.git.commit": sha}
+        for env, tag in (("DVC_EXP_NAME", "dvc.exp_name"), ("DVC_EXP_BASELINE_REV", "dvc.baseline_rev")):
+            if os.environ.get(env):
+                tags[tag] = os.environ[env]
+        if (root / "dvc.lock").is_file():
+            tags["dvc.lock.sha256"] = sha256_file(root / "dvc.lock")
+        tags.update(lineage_tags(upstream))
+        lines = [f"expman stage **{stage}**."]
+        for name, entry in upstream.items():
+            if entry.get("mlflow_run_id"):
+                lines.append(f"- input from {name}: {_run_link(client, entry['mlflow_run_id'])}")
+        tags["mlflow.note.content"] = "\n".join(lines)
+        run_name = f"{os.environ['DVC_EXP_NAME']}/{stage}" if os.environ.get("DVC_EXP_NAME") else stage
+        with mlflow.start_run(experiment_id=experiment_id, run_name=run_name, tags=tags) as run:
+            mlflow.log_params(_flatten(params))
+            handle = StageRun(run.info.run_id, stage, params, upstream)
+            try:
+                yield handle
+            finally:
+                handle.flush()
 
 
 def _print_table_link(uri: str, host: str, port: int) -> None:
@@ -359,10 +380,8 @@ def download_version(name: str, version: int, dst: Path) -> Path:
     """Download the files of ``models:/<name>/<version>`` into ``dst`` (the registered folder as logged)."""
     import mlflow
 
-    uri = default_tracking_uri()
-    mlflow.set_tracking_uri(uri)
-    mlflow.set_registry_uri(uri)
-    return Path(mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{name}/{version}", dst_path=str(dst)))
+    with _store(default_tracking_uri()):
+        return Path(mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{name}/{version}", dst_path=str(dst)))
 
 
 def download_artifact_text(location: str) -> str:
