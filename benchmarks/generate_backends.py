@@ -43,6 +43,9 @@ EXPLORATORY = ("padded-static", "padded-flex", "padded-static-flex")
 compiles), with flex attention (grouped key/value heads without copying them, under a padding mask), or both."""
 CUDNN_ARMS = {"padded-cudnn": True, "padded-nocudnn": False}
 """Padded with ``generate.cudnn_attention`` set either way; plain ``padded`` takes the project's setting."""
+PLAIN_SDPA = "padded-sdpa"
+"""Padded with transformers' own SDPA attention, which copies grouped key/value heads under a padding mask: the
+stage's attention before ``GROUPED_SDPA`` (plain ``padded``)."""
 
 
 def _backend(project: Path, arm: str) -> Any:
@@ -52,7 +55,7 @@ def _backend(project: Path, arm: str) -> Any:
 
     arm, _, batch_size = arm.partition("@")
     section = load_params(project / "params.yaml").generate
-    batching = "padded" if arm in (*EXPLORATORY, *CUDNN_ARMS) else arm
+    batching = "padded" if arm in (*EXPLORATORY, *CUDNN_ARMS, PLAIN_SDPA) else arm
     update = {"hf_batching": batching} | ({"batch_size": int(batch_size)} if batch_size else {})
     if arm in CUDNN_ARMS:
         update["cudnn_attention"] = CUDNN_ARMS[arm]
@@ -60,6 +63,8 @@ def _backend(project: Path, arm: str) -> Any:
     backend = HFBackend(project / "models/verifier", section)
     if arm.endswith("-flex"):
         backend.model.set_attn_implementation("flex_attention")
+    if arm == PLAIN_SDPA:
+        backend.model.set_attn_implementation("sdpa")
     if arm.startswith("padded-static"):
         sampling = backend._sampling
 
@@ -109,9 +114,10 @@ def _arm(project: Path, arm: str, requests: list[list[int]], max_new_tokens: int
     default="continuous:16,padded,continuous",
     show_default=True,
     help="arm[@batch_size][:requests] in order, arm one of padded, continuous, padded-static, padded-flex, "
-    "padded-static-flex, padded-cudnn, padded-nocudnn; @batch_size overrides generate.batch_size. The first continuous "
-    "call of a process pays its one-time costs (as the stage's first shard does): a small one first shows them and "
-    "keeps them out of the full arm. The report is rewritten after each arm; an arm that fails records its error.",
+    "padded-static-flex, padded-cudnn, padded-nocudnn, padded-sdpa; @batch_size overrides generate.batch_size. "
+    "The first continuous call of a process pays its one-time costs (as the stage's first shard does): a small one "
+    "first shows them and keeps them out of the full arm. The report is rewritten after each arm; an arm that "
+    "fails records its error.",
 )
 @click.option(
     "--profile-steps",

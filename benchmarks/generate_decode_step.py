@@ -11,7 +11,9 @@ lengths drawn from ``--min-prompt``..``--max-prompt``, sorted and cut into batch
 
 ``<attention>``: ``cudnn`` (torch's own SDPA choice, ``generate.cudnn_attention: true``: cuDNN on Hopper, which
 builds a plan for each new shape, and every decode step is one: the first batch pays it, later batches reuse what
-fits), ``nocudnn`` (``generate.cudnn_attention: false``: flash or memory-efficient kernels) or ``eager``. The
+fits), ``nocudnn`` (``generate.cudnn_attention: false``: flash or memory-efficient kernels), ``eager``, or
+``grouped`` (the verifier's ``GROUPED_SDPA``: no cuDNN, and the grouped heads folded into the query length instead
+of copied under the mask). ``cudnn`` and ``nocudnn`` are transformers' own SDPA. The
 report gives, per batch, seconds and the decode step's milliseconds: (whole call - a 1-token call) / (new tokens -
 1). CUDA only.
 
@@ -28,7 +30,7 @@ from typing import Any
 import click
 from harness import SHAPES, header, in_child, shape_option, write_report
 
-ARMS = "padded-cudnn:2,padded-nocudnn:2,padded-eager:2,equal-cudnn:1,equal-nocudnn:1"
+ARMS = "padded-cudnn:2,padded-nocudnn:2,padded-grouped:2,padded-eager:2,equal-cudnn:1,equal-nocudnn:1"
 
 
 def _batches(arm: str, batch: int, count: int, shortest: int, longest: int) -> list[list[int]]:
@@ -61,6 +63,7 @@ def _one_arm(arm: str, shape: str, batch: int, count: int, new_tokens: int, prom
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from expman.data.verifier import use_grouped_sdpa
     from expman.devices import attention_kernels
 
     _, attention = arm.split("-")
@@ -68,11 +71,13 @@ def _one_arm(arm: str, shape: str, batch: int, count: int, new_tokens: int, prom
     config._attn_implementation = "eager" if attention == "eager" else "sdpa"
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
+    if attention == "grouped":
+        use_grouped_sdpa(model)
 
     def generate(ids: Any, mask: Any, tokens: int) -> float:
         torch.cuda.synchronize()
         started = time.perf_counter()
-        with torch.inference_mode(), attention_kernels(attention != "nocudnn"):  # generate.cudnn_attention's
+        with torch.inference_mode(), attention_kernels(attention not in ("nocudnn", "grouped")):
             model.generate(
                 input_ids=ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False
             )

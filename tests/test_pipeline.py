@@ -375,6 +375,54 @@ def test_continuous_batching_answers_as_padded_batches_do(project: Path, device:
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_grouped_heads_attend_as_transformers_sdpa_without_copying_them(
+    project: Path, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The verifier's grouped SDPA on left-padded batches (4 query heads over 2 key/value heads, float32): the same
+    logits as transformers' own SDPA and eager attention, the same greedy replies through the stage's backend, and
+    no key/value head copied on the way (transformers' ``repeat_kv`` made to fail), which plain SDPA does need."""
+    import transformers.integrations.sdpa_attention as transformers_sdpa
+
+    from expman.data.generate import HFBackend
+    from expman.data.verifier import GROUPED_SDPA
+
+    run_until("prepare")
+    section = load_params("params.yaml").generate.model_copy(update={"dtype": "float32", "device": device})
+    backend = HFBackend(paths.VERIFIER, section)
+    model = backend.model
+    assert model.config._attn_implementation == GROUPED_SDPA
+    assert model.model.layers[0].self_attn.num_key_value_groups == 2
+    prompts = [backend._prompt_ids([{"role": "user", "content": f"Name {n} colours " * (n + 1)}]) for n in range(4)]
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[backend.pad_id] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    real = mask.bool()
+
+    def logits() -> torch.Tensor:
+        with torch.inference_mode():
+            return model(input_ids=ids, attention_mask=mask).logits[real]
+
+    def copies_forbidden(*args: object) -> None:
+        raise AssertionError("repeat_kv called")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(transformers_sdpa, "repeat_kv", copies_forbidden)
+        grouped = logits()
+        grouped_replies = backend.complete(prompts, 0.0, [0] * 4, 10)
+        model.set_attn_implementation("sdpa")
+        with pytest.raises(AssertionError, match="repeat_kv called"):
+            logits()
+    plain = logits()
+    plain_replies = backend.complete(prompts, 0.0, [0] * 4, 10)
+    model.set_attn_implementation("eager")
+    eager = logits()
+    torch.testing.assert_close(grouped, plain, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grouped, eager, rtol=1e-4, atol=1e-4)
+    assert [o.output_ids for o in grouped_replies] == [o.output_ids for o in plain_replies]
+    assert len({len(p) for p in prompts}) == 4 and any(len(o.output_ids) == 10 for o in grouped_replies)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_padded_generate_without_cudnn_answers_as_with_it(project: Path, device: str) -> None:
     """Greedy in float32 (which cuDNN's attention does not take, so the kernels compute alike): the same replies with
     generate.cudnn_attention true and false, through the stage's backend."""

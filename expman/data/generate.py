@@ -61,7 +61,8 @@ class HFBackend:
             _check_cpu_continuous_batching()
         self.tokenizer = load_tokenizer(model_dir)
         self.tokenizer.padding_side = "left"
-        self.model = load_verifier(model_dir, self.device, resolve_dtype(params.dtype, self.device))
+        dtype = resolve_dtype(params.dtype, self.device)
+        self.model = load_verifier(model_dir, self.device, dtype, grouped_heads=not self.continuous)
         eos = self.model.generation_config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos]) | {self.tokenizer.eos_token_id}
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos_ids)

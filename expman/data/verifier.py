@@ -18,6 +18,9 @@ from expman.provenance import atomic_dir, read_manifest, sha256_file
 from expman.registry.tracking import stage_run
 
 __all__ = [
+    "GROUPED_SDPA",
+    "grouped_sdpa_attention",
+    "use_grouped_sdpa",
     "layer_split",
     "load_tokenizer",
     "load_verifier",
@@ -192,9 +195,69 @@ def load_verifier_head(model_dir: Path, device: str, dtype: Any) -> tuple[Any, A
     return modules[0], modules[1]
 
 
-def load_verifier(model_dir: Path, device: str, dtype: Any, gpus: int = 1) -> Any:
+GROUPED_SDPA = "expman_grouped_sdpa"
+"""The verifier's attention (a transformers attention function) wherever its model class takes one: SDPA that keeps
+grouped key/value heads unrepeated under a padding mask (``grouped_sdpa_attention``)."""
+
+
+def grouped_sdpa_attention(
+    module: Any,
+    query: Any,
+    key: Any,
+    value: Any,
+    attention_mask: Any,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[Any, None]:
+    """transformers' SDPA attention, except where grouped-query heads meet a mask (left-padded batches): there
+    transformers copies each key/value head for every query head of its group (``repeat_kv``) at every layer and
+    step, because torch's masked CUDA kernels take no ``enable_gqa``. Here the query heads of a group are folded into
+    the query length instead, and the mask repeated along it: each query row meets the same keys, values, scale and
+    mask as before, and the cache is read once per key/value head rather than copied. Anything else (no mask, no
+    groups, a paged cache, a position bias, a per-head mask) goes to transformers' own function unchanged."""
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    if (
+        groups == 1
+        or attention_mask is None
+        or attention_mask.dim() != 4
+        or attention_mask.shape[1] != 1
+        or dropout
+        or kwargs.get("cache") is not None
+        or kwargs.get("position_bias") is not None
+    ):
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
+    batch, heads, length, head_dim = query.shape
+    folded = query.reshape(batch, key.shape[1], groups * length, head_dim)  # query head h reads key/value h // groups
+    mask = attention_mask.repeat(1, 1, groups, 1)  # row g * length + t of the fold is row t of each head
+    out = torch.nn.functional.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scaling)
+    return out.reshape(batch, heads, length, -1).transpose(1, 2).contiguous(), None
+
+
+def use_grouped_sdpa(model: Any) -> None:
+    """Switch a loaded model to ``GROUPED_SDPA`` where its class dispatches attention through transformers'
+    registry (the library's own model classes); other classes keep plain SDPA."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    if not getattr(model, "_supports_attention_backend", False):
+        return
+    AttentionInterface.register(GROUPED_SDPA, grouped_sdpa_attention)
+    AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)  # the same masks as SDPA's
+    model.set_attn_implementation(GROUPED_SDPA)
+
+
+def load_verifier(model_dir: Path, device: str, dtype: Any, gpus: int = 1, grouped_heads: bool = True) -> Any:
     """The prepared verifier in eval mode, safetensors only. With ``gpus`` > 1 its layers are spread over that many
-    GPUs (``layer_split``), for a verifier that does not fit one: a forward runs them one GPU after another."""
+    GPUs (``layer_split``), for a verifier that does not fit one: a forward runs them one GPU after another.
+    Its attention is ``GROUPED_SDPA`` unless ``grouped_heads`` is false (transformers' continuous batching accepts
+    only its own implementations) or the model is remote code, which may not dispatch through transformers."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -213,4 +276,6 @@ def load_verifier(model_dir: Path, device: str, dtype: Any, gpus: int = 1) -> An
         attn_implementation="sdpa",
         **placement,
     )
+    if grouped_heads and not manifest["trust_remote_code"]:
+        use_grouped_sdpa(model)
     return (model if placement else model.to(device)).eval()
