@@ -619,7 +619,7 @@ def _measure(
     reused = len(prompts) - len(todo)
     alone = {record["id"] for record in prompts[: section.timed_prompts]} if section.timed_prompts else set()
     shared = [] if loaded is not None else [record for record in todo if record["id"] not in alone]
-    here = [record for record in todo if record not in shared]
+    here = [record for record in todo if loaded is not None or record["id"] in alone]
     workers = f" ({min(section.workers, len(shared))} workers)" if shared else ""
     with tqdm(total=len(prompts), initial=reused, desc=f"evaluate{workers}", unit="prompt") as bar:
         if shared:
