@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import click
-from harness import SHAPES, header, in_child, shape_option, write_report
+from harness import SHAPES, arm_key, header, in_child, shape_option, write_report
 
 
 def _one_arm(cudnn: bool, shape: str, prompts: int, lengths: tuple[int, int], new_tokens: int, ks: list[int]) -> dict:
@@ -88,7 +88,7 @@ def main(
     for arm, cudnn in (("cudnn", True), ("nocudnn", False)):
         args = ["--one", str(cudnn), "--shape", shape, "--prompts", str(prompts), "--new-tokens", str(new_tokens)]
         args += ["--min-prompt", str(min_prompt), "--max-prompt", str(max_prompt), *[f"--k={k}" for k in ks]]
-        report["arms"][arm] = in_child(__file__, *args)
+        report["arms"][arm_key(report["arms"], arm)] = in_child(__file__, *args)
         write_report(out, report)
     arms = report["arms"]
     if all("prompt_seconds" in arms[arm] for arm in ("cudnn", "nocudnn")):

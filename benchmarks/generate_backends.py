@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import click
-from harness import header, write_report
+from harness import arm_key, header, write_report
 
 
 def _requests(project: Path, count: int) -> list[list[int]]:
@@ -147,11 +147,12 @@ def main(
     }
     for arm in arms.split(","):
         name, _, size = arm.partition(":")
+        key = arm_key(report["arms"], arm)
         try:
-            report["arms"][arm] = _arm(project, name, requests[: int(size or count)], length)
+            report["arms"][key] = _arm(project, name, requests[: int(size or count)], length)
         except Exception as err:  # an exploratory arm the installed torch cannot compile: record it, go on
-            report["arms"][arm] = {"error": f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300]}"}
-        print(arm, report["arms"][arm], flush=True)
+            report["arms"][key] = {"error": f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300]}"}
+        print(key, report["arms"][key], flush=True)
         _summarize(report)
         write_report(out, report)
     if profile_steps:

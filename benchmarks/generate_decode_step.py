@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import click
-from harness import SHAPES, header, in_child, shape_option, write_report
+from harness import SHAPES, arm_key, header, in_child, shape_option, write_report
 
 ARMS = "padded-cudnn:2,padded-nocudnn:2,padded-grouped:2,padded-eager:2,equal-cudnn:1,equal-nocudnn:1"
 
@@ -147,7 +147,7 @@ def main(
     for arm in arms.split(","):
         args = ["--one", arm, "--shape", shape, "--batch-size", str(batch_size), "--new-tokens", str(new_tokens)]
         args += ["--min-prompt", str(min_prompt), "--max-prompt", str(max_prompt)]
-        report["arms"][arm] = in_child(__file__, *args)
+        report["arms"][arm_key(report["arms"], arm)] = in_child(__file__, *args)
         _summarize(report)
         write_report(out, report)
 

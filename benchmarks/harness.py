@@ -191,6 +191,13 @@ def in_child(script: str, *args: str) -> dict[str, Any]:
     return json.loads(lines[-1])
 
 
+def arm_key(done: dict[str, Any], arm: str) -> str:
+    """The report key for the next run of ``arm``: the arm itself, then ``arm#2``, ``arm#3``: an arm repeated in
+    ``--arms`` (interleaved against machine drift) keeps every run instead of overwriting the first."""
+    runs = sum(key.partition("#")[0] == arm for key in done)
+    return f"{arm}#{runs + 1}" if runs else arm
+
+
 def write_report(path: Path | None, report: dict[str, Any], *, machine: bool = True) -> None:
     """Print the result JSON and write it to ``path`` (if given) atomically. With ``machine`` it records this
     machine's facts and package versions (torch, transformers, ...; beside any others the report names): leave it

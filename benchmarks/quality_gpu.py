@@ -247,6 +247,7 @@ def report(
     """Collect the graph's stage times, data sizes and τ into one JSON (merged into ``--out``'s)."""
     import torch
 
+    restore_kept()  # a mirrored tree lost metrics/ since the last run: train's validation τ lives there
     result: dict[str, Any] = json.loads(out.read_text()) if out is not None and out.is_file() else {}
     result.update(
         benchmark="quality_gpu",

@@ -65,6 +65,17 @@ def test_in_child_returns_the_last_json_line_or_the_error(tmp_path: Path, monkey
     assert harness.in_child(str(script), "fail") == {"error": "arm failed: no CUDA device"}
 
 
+def test_a_repeated_arm_keeps_every_run(monkeypatch) -> None:
+    """Arms repeated in --arms (interleaved against drift) each get a key of their own; a GPU report once kept only
+    the last of two runs of each arm under a command line that named both."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    harness = importlib.import_module("harness")
+    done: dict[str, dict] = {}
+    for arm in ["padded-sdpa", "padded", "padded-sdpa", "padded", "padded-sdpa:96"]:
+        done[harness.arm_key(done, arm)] = {}
+    assert list(done) == ["padded-sdpa", "padded", "padded-sdpa#2", "padded#2", "padded-sdpa:96"]
+
+
 def test_quality_gpu_run_sees_only_live_holders_of_the_dvc_lock(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
     quality_gpu = importlib.import_module("quality_gpu")
@@ -110,3 +121,25 @@ def test_quality_gpu_run_puts_back_what_a_mirrored_tree_lost_and_nothing_else(tm
     assert (tmp_path / "metrics/baseline.json").read_text() == '{"sim_tau_k3": 2.0}'
     assert (tmp_path / "plots/train/loss.csv").read_text() == "step,loss\n1,2.0\n"
     assert (tmp_path / "dvc.lock").read_text() == "schema: '2.0'\nstages: {}\n"
+
+
+def test_quality_gpu_report_reads_train_metrics_a_mirrored_tree_lost(tmp_path: Path, monkeypatch) -> None:
+    """The device mirrors the working tree at each call and so deletes metrics/ (untracked, unignored) before the
+    call that reports: the report puts the kept copies back first. One GPU report came back with no train τ."""
+    from click.testing import CliRunner
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    quality_gpu = importlib.import_module("quality_gpu")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics/train.json").write_text('{"loss": 4.5, "sim_tau_k3": 2.8, "val_samples": 2850}')
+    for name, facts in (("generated", {"splits": {}}), ("extract", {"totals": {}, "storage": {"bytes": 0}})):
+        (tmp_path / f"data/{name}").mkdir(parents=True)
+        (tmp_path / f"data/{name}/manifest.json").write_text(json.dumps(facts))
+    quality_gpu.keep()
+    shutil.rmtree(tmp_path / "metrics")  # the next call's mirror
+    out = tmp_path / "report.json"
+    args = ["report", "--device", "GPU", "--device-cpu", "CPU", "--out", str(out)]
+    result = CliRunner().invoke(quality_gpu.main, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text())["train_validation"] == {"train": {"sim_tau_k3": 2.8, "val_samples": 2850}}

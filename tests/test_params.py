@@ -231,7 +231,7 @@ def test_shipped_presets_validate_and_list_every_stage_section(
     (tmp_path / "presets").symlink_to(REPO / "presets")
     monkeypatch.chdir(REPO)  # the shipped params name files of the project
     params = load_params(tmp_path / "params.yaml")
-    expected = {"default": (False, 0, 0), "quality": (True, 2, 320), "gpu": (True, 2, 4000)}[preset]
+    expected = {"default": (False, 0, 0), "quality": (True, 2, 320), "gpu": (True, 1, 12000)}[preset]
     generate = params.generate
     assert (params.train.norm_before_residual, generate.sampled_responses, generate.self_prompts.count) == expected
     if preset == "quality":  # one time budget on CPUs with and without native bf16: fp32 trains fewer epochs
