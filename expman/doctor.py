@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from expman import paths
+from expman.data.extract import bytes_per_token
+from expman.data.shards import disk_room, readable_size
 from expman.errors import ExpmanError
 from expman.params import Params, load_params, resolve_package_file
 
@@ -41,8 +43,6 @@ __all__ = [
 
 NVIDIA_SMI = ("nvidia-smi", "--query-compute-apps=pid,process_name,used_memory", "--format=csv,noheader,nounits")
 STAGE_SCRIPT = re.compile(r"(?:^|/)stages/([A-Za-z_]+)\.py$")  # how dvc.yaml runs a stage: python stages/<name>.py
-STATE_BYTES = 2  # extract stores the aux and final states in bf16 whatever the compute dtype
-TOKEN_BYTES = 4 + 1 + 4  # input_ids int32 + loss_mask bool + verifier_top1 int32, per token
 TIGHT = 0.8  # warn when the extract would take more than this share of the free space
 LIBRARIES = ("torch", "transformers", "safetensors", "mlflow", "dvc")
 EXTRACT_MANIFEST = paths.EXTRACT / "manifest.json"
@@ -57,13 +57,6 @@ class Finding:
     level: str
     message: str
     fix: str = ""
-
-
-def _size(count: float) -> str:
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if count >= scale:
-            return f"{count / scale:.1f} {unit}"
-    return f"{count:.0f} B"
 
 
 def _json(path: Path) -> Any:
@@ -228,7 +221,7 @@ def extract_estimate(params: Params) -> Estimate:
     hidden, hidden_from = _hidden_size(params)
     tokens, tokens_from = _token_count(params)
     basis = f"hidden size {hidden} from {hidden_from}; tokens from {tokens_from}"
-    return Estimate(tokens, 4 * hidden * STATE_BYTES + TOKEN_BYTES, basis)
+    return Estimate(tokens, bytes_per_token(hidden), basis)
 
 
 def check_disk(params: Params) -> list[Finding]:
@@ -239,18 +232,14 @@ def check_disk(params: Params) -> list[Finding]:
     except (ExpmanError, OSError, KeyError, TypeError, ValueError) as err:
         return [Finding("disk", "warning", f"no extract storage estimate: {err}", "dvc repro prepare")]
     shard_dir = Path(params.extract.shard_dir)
-    existing = sum(p.stat().st_size for p in shard_dir.glob("*.safetensors")) if shard_dir.is_dir() else 0
-    volume = shard_dir.absolute()
-    while not volume.exists():
-        volume = volume.parent
-    free = shutil.disk_usage(volume).free
+    free, existing = disk_room(shard_dir)
     needed = max(estimate.total - existing, 0)
-    kept = f", {_size(existing)} of it already there" if existing else ""
+    kept = f", {readable_size(existing)} of it already there" if existing else ""
     message = (
-        f"extract needs about {_size(estimate.total)} in {shard_dir} ({estimate.tokens:,} tokens × "
-        f"{estimate.bytes_per_token:,} B; {estimate.basis}){kept}; {_size(free)} free there"
+        f"extract needs about {readable_size(estimate.total)} in {shard_dir} ({estimate.tokens:,} tokens × "
+        f"{estimate.bytes_per_token:,} B; {estimate.basis}){kept}; {readable_size(free)} free there"
     )
-    fix = f"dvc exp run -S extract.shard_dir=<a folder on a disk with {_size(needed)} free>"
+    fix = f"dvc exp run -S extract.shard_dir=<a folder on a disk with {readable_size(needed)} free>"
     if needed > free:
         return [Finding("disk", "error", message, fix)]
     if needed > TIGHT * free:

@@ -304,6 +304,19 @@ def test_shard_swapped_with_another(staged: Path) -> None:
     _refused(_stage("baseline"), [], "data/extract/shards/shard-00000.safetensors: not the shard the manifest lists")
 
 
+def test_shards_that_cannot_fit_the_disk(staged: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """extract refuses before the verifier loads when its shards cannot fit where extract.shard_dir points (the gpu
+    preset writes 37.7 GB; a run that ran out of room midway would have spent its GPU time for nothing), and a
+    resumed extract counts the shards it already wrote as room."""
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: real(path)._replace(free=1000))
+    result = CliRunner().invoke(_stage("extract"), [])  # every shard already there: nothing more to write
+    assert result.exit_code == 0, result.output
+    shutil.rmtree(staged / "data/extract")
+    line = _refused(_stage("extract"), [], "extract.shard_dir: data/extract/shards has 1.0 kB free, the shards need")
+    assert line.endswith("point extract.shard_dir at a larger disk"), line
+
+
 def test_missing_extract_shard(staged: Path) -> None:
     _shard(staged, 1).unlink()
     culprit = "data/extract/shards/shard-00001.safetensors: shard listed in the manifest is missing"

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from expman.data.generate import read_responses
-from expman.data.shards import ShardSet, remove_stale_temps, verify_shard
+from expman.data.shards import ShardSet, disk_room, readable_size, remove_stale_temps, verify_shard
 from expman.errors import ExpmanError
 from expman.params import ExtractParams, Params
 from expman.paths import ExtractPaths
@@ -51,6 +51,15 @@ TENSORS = {
     "verifier_top1": "[T] int32, the verifier's greedy next token at each position (argmax of its logits)",
     "sample_offsets": "[n+1] int64, sample k spans rows offsets[k]:offsets[k+1]",
 }
+
+
+STATE_BYTES = 2  # the aux and final states are stored in bf16 whatever the compute dtype
+TOKEN_BYTES = 4 + 1 + 4  # input_ids int32 + loss_mask bool + verifier_top1 int32
+
+
+def bytes_per_token(hidden_size: int) -> int:
+    """What a shard stores per token: the three aux states and the final state, the token, its mask and top-1."""
+    return 4 * hidden_size * STATE_BYTES + TOKEN_BYTES
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
@@ -379,6 +388,19 @@ def _read_inputs(section: ExtractParams, where: ExtractPaths) -> tuple[dict, lis
     return contract, records, samples, upstream
 
 
+def check_room(shard_dir: Path, tokens: int, hidden_size: int) -> None:
+    """Refuse before the verifier loads when the shards cannot fit on the disk that holds ``shard_dir``; shards
+    already there count as written (a resumed extract keeps its own)."""
+    free, existing = disk_room(shard_dir)
+    needed = tokens * bytes_per_token(hidden_size) - existing
+    if needed > free:
+        raise ExpmanError(
+            f"extract.shard_dir: {shard_dir} has {readable_size(free)} free, the shards need about "
+            f"{readable_size(needed)} more ({tokens:,} tokens × {bytes_per_token(hidden_size):,} B); "
+            "point extract.shard_dir at a larger disk"
+        )
+
+
 def _totals(entries: list[dict], samples: list[dict], records: list[dict], hidden_size: int) -> tuple[dict, dict]:
     """The manifest's totals (samples, tokens, what was cut or skipped) and its storage report."""
     tokens = sum(e["tokens"] for e in entries)
@@ -386,8 +408,8 @@ def _totals(entries: list[dict], samples: list[dict], records: list[dict], hidde
     storage = {
         "bytes": stored,
         "bytes_per_token": stored / tokens,
-        "hidden_bytes_per_token": 4 * hidden_size * 2,
-        "ratio_to_hidden": stored / tokens / (4 * hidden_size * 2),
+        "hidden_bytes_per_token": 4 * hidden_size * STATE_BYTES,
+        "ratio_to_hidden": stored / tokens / (4 * hidden_size * STATE_BYTES),
     }
     totals = {
         "samples": len(samples),
@@ -461,6 +483,7 @@ def extract(params: Params, where: ExtractPaths) -> dict[str, Any]:
     section = params.extract
     contract, records, samples, upstream = _read_inputs(section, where)
     shard_dir = Path(section.shard_dir)
+    check_room(shard_dir, sum(len(s["ids"]) for s in samples), contract["verifier"]["hidden_size"])
     shards = ShardSet(shard_dir)
     device = resolve_device(section.device)
     precision = precision_facts(device, section.dtype)

@@ -67,6 +67,23 @@ class ShardSet:
                 path.unlink()
 
 
+def readable_size(count: float) -> str:
+    """Bytes as people read them: 37.7 GB."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if count >= scale:
+            return f"{count / scale:.1f} {unit}"
+    return f"{count:.0f} B"
+
+
+def disk_room(folder: Path) -> tuple[int, int]:
+    """(bytes free on the disk that holds or will hold ``folder``, bytes of safetensors shards already in it)."""
+    existing = sum(p.stat().st_size for p in folder.glob("*.safetensors")) if folder.is_dir() else 0
+    volume = folder.absolute()
+    while not volume.exists():
+        volume = volume.parent
+    return shutil.disk_usage(volume).free, existing
+
+
 def remove_stale_temps(path: Path) -> None:
     """Delete what killed atomic writes of ``path`` left beside it: ``.<name>.*.tmp`` files and folders."""
     for temp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
