@@ -11,13 +11,16 @@ Keep the deadline under the call's limit with room for what the call does after 
 its ``dvc exp run`` running or exiting, holding DVC's lock; the next ``run`` waits for it (within its deadline).
   python benchmarks/quality_gpu.py report --device-seconds 1500 --out benchmarks/results/quality_gpu_h200.json
 
-Then, where vLLM is installed, the benchmark stage serves the GPU-trained drafters (``dvc repro benchmark`` with
-``benchmark.engine: vllm``), and ``report --engine data/benchmark/benchmark.json`` adds the engine's τ. A machine
-that returns files in pieces of a few MB brings the drafters back without their ``embed_tokens`` (a copy of the
-verifier's, 113 of SmolLM2's 152 MB):
+Then the engine's τ of the same drafters, where vLLM is installed. A machine that returns files in pieces of a few
+MB brings the drafters back without their ``embed_tokens`` (a copy of the verifier's, 113 of SmolLM2's 152 MB), and
+the evaluation with the held-out split it was made on (what the benchmark stage reads besides the drafters):
 
-  python benchmarks/quality_gpu.py pack --arm drafter --out $OUT      # on the GPU machine
-  python benchmarks/quality_gpu.py unpack --arm drafter --pieces DIR  # here, after prepare: sha256 must match
+  python benchmarks/quality_gpu.py pack --arm drafter --out $OUT        # on the GPU machine; baseline too
+  python benchmarks/quality_gpu.py pack-evaluation --out $OUT
+  python benchmarks/quality_gpu.py unpack --arm drafter --pieces DIR    # here, after prepare with preset: gpu;
+  python benchmarks/quality_gpu.py unpack-evaluation --pieces DIR       # the weights' sha256 must match
+  python stages/benchmark.py                                            # with benchmark.engine: vllm
+  python benchmarks/quality_gpu.py engine --out benchmarks/results/quality_gpu_h200.json
 """
 
 from __future__ import annotations
@@ -233,14 +236,12 @@ def _train_metrics() -> dict[str, Any]:
 @click.option("--device-seconds", type=float, default=None, help="Device time the whole graph used, starts included.")
 @click.option("--device", "device_name", default=None, help="The GPU it ran on (default: this machine's).")
 @click.option("--device-cpu", default=None, help="The GPU host's CPU, when the report is made elsewhere.")
-@click.option("--engine", type=click.Path(exists=True, path_type=Path), default=None, help="A benchmark.json.")
 @click.option("--note", default=None, help="What the numbers do not say by themselves (overrides, interruptions).")
 @click.option("--out", type=click.Path(path_type=Path), default=None)
 def report(
     device_seconds: float | None,
     device_name: str | None,
     device_cpu: str | None,
-    engine: Path | None,
     note: str | None,
     out: Path | None,
 ) -> None:
@@ -270,18 +271,33 @@ def report(
         result["candidate_tau_k3"] = tau["tau"]["candidate"].get("k3")
         result["baseline_tau_k3"] = tau["tau"].get("baseline", {}).get("k3")  # None: evaluated without that arm
         result["evaluate"] = {"device": evaluation["device"], "dtype": evaluation["dtype"], **tau}
-    if engine is not None:
-        bench = json.loads(engine.read_text())
-        arms = bench["arms"]
-        result["vllm_cpu_tau_k3"] = arms["candidate"]["k"].get("3", {}).get("engine", {}).get("tau")
-        result["engine"] = {
-            "where": f"{cpu_name()} ({', '.join(cpu_flags())}), {os.cpu_count()} threads",
-            "engine": bench["engine"],
-            "tau": {name: {k: v["engine"]["tau"] for k, v in arm["k"].items()} for name, arm in arms.items()},
-            "reference_tau": {name: {k: v["reference"]["tau"] for k, v in a["k"].items()} for name, a in arms.items()},
-            "integration_fault": {name: arm.get("integration_fault") for name, arm in arms.items()},
-        }
     write_report(out, result, machine=device_name is None and device_cpu is None)
+
+
+@main.command()
+@click.option(
+    "--benchmark",
+    "benchmark_file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=Path("data/benchmark/benchmark.json"),
+    show_default=True,
+)
+@click.option("--out", type=click.Path(exists=True, dir_okay=False, path_type=Path), required=True)
+def engine(benchmark_file: Path, out: Path) -> None:
+    """Add the engine's τ of the returned drafters (the benchmark stage, run here) to the report made on the GPU
+    machine; the rest of the report is left as it is."""
+    result = json.loads(out.read_text())
+    bench = json.loads(benchmark_file.read_text())
+    arms = bench["arms"]
+    result["vllm_cpu_tau_k3"] = arms["candidate"]["k"].get("3", {}).get("engine", {}).get("tau")
+    result["engine"] = {
+        "where": f"{cpu_name()} ({', '.join(cpu_flags())}), {os.cpu_count()} threads",
+        "engine": bench["engine"],
+        "tau": {name: {k: v["engine"]["tau"] for k, v in arm["k"].items()} for name, arm in arms.items()},
+        "reference_tau": {name: {k: v["reference"]["tau"] for k, v in a["k"].items()} for name, a in arms.items()},
+        "integration_fault": {name: arm.get("integration_fault") for name, arm in arms.items()},
+    }
+    write_report(out, result, machine=False)
 
 
 PIECE_BYTES = 15_000_000
@@ -342,6 +358,45 @@ def unpack(arm: str, pieces: Path) -> None:
     for name, text in facts.get("files", {}).items():
         (whole.parent / name).write_text(text)
     click.echo(f"{whole}: sha256 {digest}, equal to the packed file")
+
+
+EVALUATION_PACK = "evaluation.pack.json"
+
+
+def _evaluation_files() -> list[Path]:
+    """What the benchmark stage reads besides the drafters: the evaluation, its manifest, the generate manifest
+    and the shards of the split it was made on (a few hundred kB, all text)."""
+    manifest = json.loads(Path("data/evaluate/manifest.json").read_text())
+    split = Path("data/generated") / manifest["provenance"]["params"]["split"]
+    fixed = [Path("data/evaluate/evaluation.json"), Path("data/evaluate/manifest.json")]
+    shards = sorted(p for p in split.iterdir() if p.is_file() and not p.name.startswith("."))
+    return [*fixed, Path("data/generated/manifest.json"), *shards]
+
+
+@main.command("pack-evaluation")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True)
+def pack_evaluation(out: Path) -> None:
+    """The evaluation and the held-out split it was made on, in one file, for the engine benchmark elsewhere."""
+    files = {str(path): path.read_text() for path in _evaluation_files()}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / EVALUATION_PACK).write_text(json.dumps(files))
+    click.echo(f"{out / EVALUATION_PACK}: {', '.join(files)}")
+
+
+@main.command("unpack-evaluation")
+@click.option("--pieces", type=click.Path(exists=True, file_okay=False, path_type=Path), required=True)
+def unpack_evaluation(pieces: Path) -> None:
+    """Write the packed evaluation files into this project; the split's shards are checked by their manifest when
+    the benchmark stage reads them."""
+    from expman.provenance import atomic_write
+
+    files = json.loads((pieces / EVALUATION_PACK).read_text())
+    for name, text in files.items():
+        path = Path(name)
+        if path.is_absolute() or ".." in path.parts or path.parts[0] != "data":
+            raise click.ClickException(f"{pieces / EVALUATION_PACK}: {name} is not a path under data/")
+        atomic_write(path, lambda tmp, text=text: tmp.write_text(text))
+    click.echo(f"{len(files)} files written: {', '.join(files)}")
 
 
 if __name__ == "__main__":

@@ -143,3 +143,52 @@ def test_quality_gpu_report_reads_train_metrics_a_mirrored_tree_lost(tmp_path: P
     result = CliRunner().invoke(quality_gpu.main, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
     assert json.loads(out.read_text())["train_validation"] == {"train": {"sim_tau_k3": 2.8, "val_samples": 2850}}
+
+
+def test_quality_gpu_brings_the_evaluation_back_and_adds_only_the_engine_tau(tmp_path: Path, monkeypatch) -> None:
+    """The engine benchmark runs away from the GPU machine: the evaluation and the held-out split it was made on
+    travel in one file (paths outside data/ refused), and ``engine`` adds the engine's τ to the GPU report without
+    touching what the GPU machine measured."""
+    from click.testing import CliRunner
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    quality_gpu = importlib.import_module("quality_gpu")
+    device, here = tmp_path / "device", tmp_path / "here"
+    files = {
+        "data/evaluate/manifest.json": json.dumps({"provenance": {"params": {"split": "heldout"}}}),
+        "data/evaluate/evaluation.json": '{"prompts": [{"id": "h1"}]}',
+        "data/generated/manifest.json": '{"splits": {"heldout": {}, "train": {}}}',
+        "data/generated/heldout/shard-00000.jsonl": '{"id": "h1", "ok": true}\n',
+        "data/generated/train/shard-00000.jsonl": '{"id": "t1", "ok": true}\n',
+    }
+    for name, text in files.items():
+        (device / name).parent.mkdir(parents=True, exist_ok=True)
+        (device / name).write_text(text)
+    runner = CliRunner()
+    monkeypatch.chdir(device)
+    assert runner.invoke(quality_gpu.main, ["pack-evaluation", "--out", str(tmp_path / "out")]).exit_code == 0
+    here.mkdir()
+    monkeypatch.chdir(here)
+    assert runner.invoke(quality_gpu.main, ["unpack-evaluation", "--pieces", str(tmp_path / "out")]).exit_code == 0
+    written = {str(p.relative_to(here)): p.read_text() for p in here.rglob("*") if p.is_file()}
+    assert written == {name: text for name, text in files.items() if "/train/" not in name}
+
+    packed = tmp_path / "out" / quality_gpu.EVALUATION_PACK
+    packed.write_text(json.dumps({"../outside.json": "{}"}))
+    result = runner.invoke(quality_gpu.main, ["unpack-evaluation", "--pieces", str(tmp_path / "out")])
+    assert result.exit_code != 0 and "../outside.json is not a path under data/" in result.output
+    assert not (tmp_path / "outside.json").exists()
+
+    report = here / "report.json"
+    gpu = {"stages": {"train": [{"seconds": 88.3}]}, "candidate_tau_k3": 2.27, "vllm_cpu_tau_k3": None}
+    report.write_text(json.dumps(gpu))
+    arm = {"k": {"3": {"engine": {"tau": 2.26}, "reference": {"tau": 2.27}}}, "integration_fault": False}
+    (here / "benchmark.json").write_text(json.dumps({"engine": "vllm", "arms": {"candidate": arm}}))
+    args = ["engine", "--benchmark", str(here / "benchmark.json"), "--out", str(report)]
+    assert runner.invoke(quality_gpu.main, args).exit_code == 0
+    merged = json.loads(report.read_text())
+    assert merged["vllm_cpu_tau_k3"] == 2.26 and merged["engine"]["integration_fault"] == {"candidate": False}
+    assert {key: merged[key] for key in gpu if key != "vllm_cpu_tau_k3"} == {
+        key: value for key, value in gpu.items() if key != "vllm_cpu_tau_k3"
+    }
+    assert "machine" not in merged  # this machine did not measure the report's GPU numbers
