@@ -422,6 +422,47 @@ def test_grouped_heads_attend_as_transformers_sdpa_without_copying_them(
     assert len({len(p) for p in prompts}) == 4 and any(len(o.output_ids) == 10 for o in grouped_replies)
 
 
+def test_generate_halves_a_batch_the_gpu_has_no_memory_for(
+    project: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """A batch that runs out of GPU memory (made to, here: this machine has no GPU to fill) is retried at half the
+    size, which the rest of the stage keeps, with one line saying so; the random state is put back, so sampled
+    replies are those of a run at the smaller size: a failed call that drew numbers changes nothing."""
+    from expman.data.generate import HFBackend
+
+    run_until("prepare")
+    section = load_params("params.yaml").generate.model_copy(update={"dtype": "float32", "batch_size": 8})
+    prompts = [[1, 2 + n, 3, 4 + n] for n in range(8)]
+
+    def replies(backend: HFBackend) -> list[list[int]]:
+        torch.manual_seed(7)
+        return [o.output_ids for o in backend.complete(prompts, 0.8, [0] * len(prompts), 6)]
+
+    expected = replies(HFBackend(paths.VERIFIER, section.model_copy(update={"batch_size": 2})))
+    backend = HFBackend(paths.VERIFIER, section)
+    fits = backend.model.generate
+
+    def generate(**kwargs: object) -> torch.Tensor:
+        if kwargs["input_ids"].shape[0] > 2:
+            torch.rand(3)  # a real failure comes after the call has drawn numbers
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return fits(**kwargs)
+
+    monkeypatch.setattr(backend.model, "generate", generate)
+    assert replies(backend) == expected
+    assert backend.batch_size == 2
+    lines = capsys.readouterr().err.splitlines()
+    said = (
+        "generate: the GPU ran out of memory at a batch of {}; going on at {} "
+        "(set generate.batch_size: {} to start there)"
+    )
+    assert [line for line in lines if "out of memory" in line] == [said.format(8, 4, 4), said.format(4, 2, 2)]
+    monkeypatch.setattr(backend, "batch_size", 1)
+    monkeypatch.setattr(backend.model, "generate", lambda **kwargs: generate(input_ids=torch.zeros(3, 1)))
+    with pytest.raises(ExpmanError, match="generate: the GPU has no memory for one prompt of 4 tokens and 6 new ones"):
+        replies(backend)
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_padded_generate_without_cudnn_answers_as_with_it(project: Path, device: str) -> None:
     """Greedy in float32 (which cuDNN's attention does not take, so the kernels compute alike): the same replies with

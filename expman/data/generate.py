@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import sys
 import time
 import zlib
 from collections.abc import Sequence
@@ -66,6 +67,7 @@ class HFBackend:
         eos = self.model.generation_config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos]) | {self.tokenizer.eos_token_id}
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos_ids)
+        self.batch_size = params.batch_size  # halved for the rest of the stage where the GPU runs out of memory
 
     def _prompt_ids(self, messages: Messages) -> list[int]:
         encoded = self.tokenizer.apply_chat_template(
@@ -102,28 +104,64 @@ class HFBackend:
         return config
 
     def _padded(self, prompts: Sequence[list[int]], temperature: float, max_new_tokens: int) -> list[list[int]]:
-        """Batches of ``batch_size`` prompts of like length, left-padded; a row's tokens after its EOS are padding."""
+        """Batches of ``batch_size`` prompts of like length, left-padded; a row's tokens after its EOS are padding.
+        A batch the GPU has no memory for is retried at half the size, which the rest of the stage keeps (the
+        random state put back first, so the replies are those of a run at the smaller size from that batch on)."""
         import torch
 
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         replies: list[list[int]] = [[] for _ in prompts]
-        for start in range(0, len(order), self.params.batch_size):
-            rows = order[start : start + self.params.batch_size]
-            width = max(len(prompts[i]) for i in rows)
-            ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-            mask = torch.zeros((len(rows), width), dtype=torch.long)
-            for r, i in enumerate(rows):
-                ids[r, width - len(prompts[i]) :] = torch.tensor(prompts[i])
-                mask[r, width - len(prompts[i]) :] = 1
-            with torch.inference_mode(), attention_kernels(self.params.cudnn_attention):
-                out = self.model.generate(
-                    input_ids=ids.to(self.device),
-                    attention_mask=mask.to(self.device),
-                    generation_config=self._sampling(temperature, max_new_tokens),
-                )
-            for r, i in enumerate(rows):
-                replies[i] = out[r, width:].tolist()
+        start = 0
+        while start < len(order):
+            rows = order[start : start + self.batch_size]
+            random_state = torch.random.get_rng_state(), _cuda_rng_state(self.device)
+            try:
+                batch = self._padded_batch([prompts[i] for i in rows], temperature, max_new_tokens)
+            except torch.OutOfMemoryError as err:
+                if len(rows) == 1:
+                    raise ExpmanError(
+                        f"generate: the GPU has no memory for one prompt of {len(prompts[rows[0]])} tokens and "
+                        f"{max_new_tokens} new ones; lower generate.max_new_tokens or use a larger GPU"
+                    ) from err
+                self._halve_batch(len(rows), random_state)
+                continue
+            for i, reply in zip(rows, batch, strict=True):
+                replies[i] = reply
+            start += len(rows)
         return replies
+
+    def _padded_batch(self, prompts: list[list[int]], temperature: float, max_new_tokens: int) -> list[list[int]]:
+        import torch
+
+        width = max(len(prompt) for prompt in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for r, prompt in enumerate(prompts):
+            ids[r, width - len(prompt) :] = torch.tensor(prompt)
+            mask[r, width - len(prompt) :] = 1
+        with torch.inference_mode(), attention_kernels(self.params.cudnn_attention):
+            out = self.model.generate(
+                input_ids=ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                generation_config=self._sampling(temperature, max_new_tokens),
+            )
+        return out[:, width:].tolist()
+
+    def _halve_batch(self, rows: int, random_state: tuple[Any, Any]) -> None:
+        """After an out-of-memory error at ``rows``: free the cache, put the random state back, go on at half."""
+        import torch
+
+        torch.cuda.empty_cache()
+        torch.random.set_rng_state(random_state[0])
+        if random_state[1] is not None:
+            torch.cuda.set_rng_state(random_state[1])
+        self.batch_size = rows // 2
+        print(
+            f"generate: the GPU ran out of memory at a batch of {rows}; going on at {self.batch_size} "
+            f"(set generate.batch_size: {self.batch_size} to start there)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def _continuous(self, prompts: Sequence[list[int]], temperature: float, max_new_tokens: int) -> list[list[int]]:
         """transformers' continuous batching: every prompt queued at once, a finished reply's KV pages reused by
@@ -151,6 +189,12 @@ class HFBackend:
         kept = generated if stop is None else generated[: stop + 1]
         text = self.tokenizer.decode(kept, skip_special_tokens=True)
         return GenOutput(list(prompt), kept, text, "length" if stop is None else "stop")
+
+
+def _cuda_rng_state(device: str) -> Any:
+    import torch
+
+    return torch.cuda.get_rng_state() if device.startswith("cuda") else None
 
 
 def _check_cpu_continuous_batching() -> None:
@@ -415,6 +459,8 @@ def generate(params: Params, where: GeneratePaths) -> dict[str, Any]:
         metrics = {f"{split}.{k}": v for split, s in splits.items() for k, v in s.items() if k != "shards"}
         if new_tokens:
             metrics["generated_tok_per_s"] = new_tokens / elapsed
+        if isinstance(backend, HFBackend) and backend.batch_size < section.batch_size:
+            metrics["batch_size_after_out_of_memory"] = backend.batch_size
         run.log_metrics(metrics)
         facts = {"backend": section.backend, "precision": precision, "verifier": verifier_manifest["verifier"]}
         facts["splits"] = splits
