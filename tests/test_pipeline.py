@@ -463,6 +463,36 @@ def test_generate_halves_a_batch_the_gpu_has_no_memory_for(
         replies(backend)
 
 
+@pytest.mark.gpu
+def test_generate_halves_a_batch_on_a_real_out_of_memory(project: Path, capsys: pytest.CaptureFixture) -> None:
+    """On a GPU held (torch's per-process fraction) to 1.5× what a batch of 512 took, a batch of 1,024 runs out of
+    memory for real: the stage's backend goes on at 512 and gives the replies of a run at 512 from the start."""
+    from expman.data.generate import HFBackend
+
+    run_until("prepare")
+    section = load_params("params.yaml").generate.model_copy(
+        update={"dtype": "float32", "device": "cuda", "batch_size": 512}
+    )
+    prompts = [[1, 2 + n % 50, 3, 4 + n % 37] for n in range(1024)]
+
+    def replies(backend: HFBackend) -> list[list[int]]:
+        return [o.output_ids for o in backend.complete(prompts, 0.0, [0] * len(prompts), 256)]
+
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    expected = replies(HFBackend(paths.VERIFIER, section))
+    limit = 1.5 * torch.cuda.max_memory_reserved()
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(limit / torch.cuda.get_device_properties(0).total_memory)
+    try:
+        backend = HFBackend(paths.VERIFIER, section.model_copy(update={"batch_size": 1024}))
+        assert replies(backend) == expected
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    assert backend.batch_size == 512
+    assert "generate: the GPU ran out of memory at a batch of 1024; going on at 512" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_padded_generate_without_cudnn_answers_as_with_it(project: Path, device: str) -> None:
     """Greedy in float32 (which cuDNN's attention does not take, so the kernels compute alike): the same replies with
