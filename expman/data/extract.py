@@ -483,7 +483,8 @@ def extract(params: Params, where: ExtractPaths) -> dict[str, Any]:
     section = params.extract
     contract, records, samples, upstream = _read_inputs(section, where)
     shard_dir = Path(section.shard_dir)
-    check_room(shard_dir, sum(len(s["ids"]) for s in samples), contract["verifier"]["hidden_size"])
+    total_tokens = sum(len(s["ids"]) for s in samples)
+    check_room(shard_dir, total_tokens, contract["verifier"]["hidden_size"])
     shards = ShardSet(shard_dir)
     device = resolve_device(section.device)
     precision = precision_facts(device, section.dtype)
@@ -492,7 +493,6 @@ def extract(params: Params, where: ExtractPaths) -> dict[str, Any]:
         _shard_computer(section, contract, where, device, max(len(s["ids"]) for s in samples)) as compute,
     ):
         started = time.perf_counter()
-        total_tokens = sum(len(s["ids"]) for s in samples)
         with tqdm(total=total_tokens, desc=f"extract ({section.backend})", unit="tok", unit_scale=True) as bar:
             entries, computed_tokens = write_shards(compute, samples, section, contract, shards, device, bar.update)
         elapsed = time.perf_counter() - started
