@@ -44,38 +44,53 @@ DRAFT_VOCAB = {"cuda": 32000, "cpu": 8192}
 """The peer harness's draft vocab on GPU; the default graph's (vocab.draft_vocab_size) on the CPU."""
 
 
-def write_project(root: Path, shape: dict, gib: float, document: int, shard_gib: float, device: str) -> dict:
+def bench_paths(root: Path) -> TrainPaths:
+    """Where this script's project keeps the train stage's inputs and outputs (the shards go to root/shards)."""
+    return TrainPaths(
+        verifier=root / "verifier",
+        extract=root / "extract",
+        vocab=root / "vocab",
+        out=root / "drafter",
+        state=root / "state",
+        metrics=root / "metrics.json",
+        plots=None,
+    )
+
+
+def write_project(
+    where: TrainPaths, shards_dir: Path, shape: dict, gib: float, document: int, shard_gib: float, device: str
+) -> dict:
     """A prepared verifier (config + the three head tensors), a vocab and an extract manifest with ``gib`` of
-    random feature shards of ``document``-token documents; returns the data's facts."""
+    random feature shards of ``document``-token documents in ``shards_dir``; returns the data's facts."""
     hidden, vocab = shape["hidden_size"], shape["vocab_size"]
     verifier = {"architecture": "LlamaForCausalLM", "hidden_size": hidden, "vocab_size": vocab}
     verifier |= {"num_hidden_layers": shape["num_hidden_layers"]}
     generator = torch.Generator(device=device).manual_seed(0)
-    (root / "verifier").mkdir(parents=True)
+    where.verifier.mkdir(parents=True)
     config = shape | {"architectures": ["LlamaForCausalLM"], "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
-    (root / "verifier/config.json").write_text(json.dumps(config))
+    (where.verifier / "config.json").write_text(json.dumps(config))
     head = {
         "model.embed_tokens.weight": torch.randn(vocab, hidden, generator=generator, device=device) * 0.02,
         "model.norm.weight": torch.ones(hidden, device=device),
         "lm_head.weight": torch.randn(vocab, hidden, generator=generator, device=device) * 0.02,
     }
-    save_streamed({k: v.to(torch.bfloat16).cpu() for k, v in head.items()}, root / "verifier/model.safetensors", {})
-    atomic_write_json(root / "verifier/manifest.json", {"stage": "prepare", "verifier": verifier})
+    save_streamed({k: v.to(torch.bfloat16).cpu() for k, v in head.items()}, where.verifier / "model.safetensors", {})
+    atomic_write_json(where.verifier / "manifest.json", {"stage": "prepare", "verifier": verifier})
 
     draft = DRAFT_VOCAB[device]
     chosen = torch.randperm(vocab, generator=torch.Generator().manual_seed(0))[:draft].sort().values
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[chosen] = True
-    (root / "vocab").mkdir()
-    save_streamed({"d2t": chosen - torch.arange(draft), "t2d": t2d}, root / "vocab/vocab.safetensors", {})
-    atomic_write_json(root / "vocab/manifest.json", {"stage": "vocab", "verifier": verifier})
+    where.vocab.mkdir(parents=True)
+    save_streamed({"d2t": chosen - torch.arange(draft), "t2d": t2d}, where.vocab / "vocab.safetensors", {})
+    atomic_write_json(where.vocab / "manifest.json", {"stage": "vocab", "verifier": verifier})
 
     aux_layers = [2, shape["num_hidden_layers"] // 2, shape["num_hidden_layers"] - 3]
     contract = {"verifier": verifier, "aux_layers": aux_layers, "final_state": "pre_norm", "dtype": "bfloat16"}
     token_bytes = 4 * hidden * 2 + 4 + 1 + 4
     per_shard = max(1, round(shard_gib * 2**30 / token_bytes / document))
     shard_count = max(2, round(gib * 2**30 / (token_bytes * document * per_shard)))
-    shards = ShardSet(root / "shards")
+    shards = ShardSet(shards_dir)
     entries = []
     for index in range(shard_count):
         tokens = per_shard * document
@@ -96,8 +111,8 @@ def write_project(root: Path, shape: dict, gib: float, document: int, shard_gib:
         name = f"shard-{index:05d}.safetensors"
         facts = {"samples": per_shard, "tokens": tokens, "loss_tokens": int(mask.sum())}
         entries.append(shards.write(name, key, lambda tmp, t=tensors, m=metadata: save_streamed(t, tmp, m), **facts))
-    manifest = {"stage": "extract", "contract": contract, "shard_dir": str(root / "shards"), "shards": entries}
-    atomic_write_json(root / "extract/manifest.json", manifest)
+    manifest = {"stage": "extract", "contract": contract, "shard_dir": str(shards_dir), "shards": entries}
+    atomic_write_json(where.extract / "manifest.json", manifest)
     stored = sum(e["bytes"] for e in entries)
     return {
         "shards": shard_count,
@@ -170,16 +185,7 @@ def run_stage(root: Path, section: TrainParams) -> dict:
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         started = time.perf_counter()
-        where = TrainPaths(
-            verifier=root / "verifier",
-            extract=root / "extract",
-            vocab=root / "vocab",
-            out=root / "drafter",
-            state=root / "state",
-            metrics=root / "metrics.json",
-            plots=None,
-        )
-        manifest = train(section, where)
+        manifest = train(section, bench_paths(root))
         seconds = time.perf_counter() - started
     finally:
         os.chdir(here)
@@ -235,7 +241,8 @@ def main(
     for shape_name, tokens, document in configs:
         root = Path(tempfile.mkdtemp(prefix=f"stage-{shape_name}-", dir=workdir))
         try:
-            data = write_project(root, SHAPES[shape_name], gib, document, shard_gib, device)
+            shape = SHAPES[shape_name]
+            data = write_project(bench_paths(root), root / "shards", shape, gib, document, shard_gib, device)
             if gpu:
                 data |= read_rates(root)
                 data["cold_checked_tok_s"] = data["cold_checked_gib_s"] * 2**30 / data["bytes_per_token"]

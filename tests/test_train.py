@@ -74,6 +74,26 @@ def test_train_outputs_and_curves(project: Path) -> None:
     assert heldout[-1]["loss"] == pytest.approx(metrics["loss"], rel=1e-5)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_train_records_each_gpus_peak_memory(project: Path, device: str) -> None:
+    """On CUDA the stage records what each process's GPU had to hold (manifest ``gpu_peak_gib`` by rank, and
+    ``gpu<rank>/peak_gib`` in MLflow): the number that tells a team whether the drafter needs FSDP. None on CPU."""
+    from mlflow import MlflowClient
+
+    run_until("vocab")
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    manifest = train(load_params("params.yaml").train.model_copy(update={"device": device}), TrainPaths.default())
+    metrics = MlflowClient(f"sqlite:///{project / 'mlflow.db'}").get_run(manifest["provenance"]["mlflow_run_id"])
+    recorded = {k: v for k, v in metrics.data.metrics.items() if k.endswith("/peak_gib")}
+    if device == "cpu":
+        assert "gpu_peak_gib" not in manifest and not recorded
+        return
+    peaks = manifest["gpu_peak_gib"]
+    assert len(peaks) == 1 and 0 < peaks[0] <= torch.cuda.max_memory_allocated() / 2**30
+    assert recorded == {"gpu0/peak_gib": pytest.approx(peaks[0])}
+
+
 def test_a_slow_feed_shows_as_input_wait(project: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """epoch_input_wait: the share of an epoch the steps spent waiting for batches; a feed held back 50 ms a batch
     (far longer than a tiny step) fills most of it."""

@@ -141,7 +141,7 @@ class DataParallel:
             parameter.grad = grad.view_as(parameter)
 
     def gather(self, state: torch.Tensor) -> list[torch.Tensor]:
-        """A byte tensor of equal size from every process (the noise generators' states), by rank."""
+        """A tensor of equal shape from every process (the noise generators' states, peak memory), by rank."""
         if self.world == 1:
             return [state]
         import torch.distributed as dist
@@ -150,6 +150,14 @@ class DataParallel:
         parts = [torch.empty_like(state, device=device) for _ in range(self.world)]
         dist.all_gather(parts, state.to(device))
         return [part.cpu() for part in parts]
+
+    def peak_memory_gib(self, device: str) -> list[float] | None:
+        """Each process's peak CUDA memory held by torch's tensors since it started, GiB by rank; None on the CPU.
+        A collective: every process calls it."""
+        if device != "cuda":
+            return None
+        peak = torch.tensor([torch.cuda.max_memory_allocated()], dtype=torch.float64, device="cuda")
+        return [float(part) / 2**30 for part in self.gather(peak)]
 
     def close(self) -> None:
         if self.world > 1:

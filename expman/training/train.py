@@ -345,6 +345,9 @@ def _write_outputs(
     contract = inputs.extract["contract"]
     facts = {"contract": contract, "draft_vocab_size": drafter.config.draft_vocab_size, "metrics": metrics}
     facts["precision"] = precision_facts(loop.device, section.dtype)
+    if loop.peak_gib is not None:  # what each GPU had to hold: the number that says whether FSDP is needed
+        facts["gpu_peak_gib"] = loop.peak_gib
+        run.log_metrics({f"gpu{rank}/peak_gib": gib for rank, gib in enumerate(loop.peak_gib)})
     if finish is not None:
         facts.update(finish(run, where.out))
     return run.write_manifest(where.out / "manifest.json", facts)
@@ -392,6 +395,7 @@ def train(
     try:
         with stage_run(stage, logged, inputs.upstream) if parallel.main else nullcontext() as run:
             final = loop.run(run, plans, step, val_batches, where.state, plan_key)
+            loop.peak_gib = parallel.peak_memory_gib(device)
             weights = parallel.model_state(drafter)
             if not parallel.main:
                 parallel.close()  # waits until the main process has written every output
@@ -427,6 +431,7 @@ class _Loop:
         self.step, self.tokens, self.started = 0, 0, time.perf_counter()
         self.epoch_tokens, self.epoch_started, self.warm = 0, self.started, False
         self.epoch_waited = 0.0  # seconds this epoch's steps waited for their batches from the feed
+        self.peak_gib: list[float] | None = None  # CUDA: each process's peak memory, by rank (set after the run)
 
     def run(self, run, plans, step, val_batches, state_dir: Path, plan_key: str) -> dict[str, float]:
         """Train from ``step`` to the end of ``plans`` (per epoch, the optimizer steps' micro-batch groups);
