@@ -60,10 +60,7 @@ def _worker(config: StepConfig, micro_batches: int, fsdp: bool) -> dict:
         seconds, metrics = elapsed(run, "cuda")
         if step >= config.warmup:
             times.append(seconds)
-        loss = metrics["loss"].reshape(1).float()  # the mean over the global batch, off the clock, every step
-        if parallel.world > 1:
-            torch.distributed.all_reduce(loss)
-        losses.append(loss.item() / parallel.world)
+        losses.append(metrics["loss"].item())  # the global batch's mean (training_step sums it over processes)
     parallel.close()
     timing = Timing(times)
     return {

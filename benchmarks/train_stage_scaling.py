@@ -5,7 +5,8 @@ on one GPU with ``train.accumulate: N``, the same global batch and so the same u
 Every arm runs the stage's real loop in a project laid out as the graph lays it out (params.yaml, models/verifier,
 data/extract, data/vocab, MLflow on the project's sqlite file), over feature shards written to disk by extract's
 own writer at a harness shape (``train_stage_throughput.write_project``: random verifier states, no 8B or 1T
-verifier here); the page cache is dropped before each arm, so each first epoch reads from the disk. TTT noise is
+verifier here); the page cache is dropped before each arm, so each first epoch reads from the disk, and each arm
+compiles into a cache of its own, as a first run does (a warm inductor cache halved a later arm's start). TTT noise is
 off in every arm (``noise_std: 0``; a process draws its own noise), so the arms' loss curves may differ only by the
 order in which gradients are summed and by bf16 rounding. Reported per shape and mode:
 
@@ -72,6 +73,8 @@ def run_arm(root: Path, train: dict) -> dict:
     cache = drop_page_cache(root / "shards")
     uri = f"sqlite:///{root / 'mlflow.db'}"
     env = os.environ | {"MLFLOW_TRACKING_URI": uri, "PYTHONPATH": os.pathsep.join([str(REPO), *sys.path[1:]])}
+    compiled = Path(tempfile.mkdtemp(prefix="compile-cache-", dir=root))  # each arm compiles cold, as a first run
+    env |= {"TORCHINDUCTOR_CACHE_DIR": str(compiled / "inductor"), "TRITON_CACHE_DIR": str(compiled / "triton")}
     started = time.perf_counter()
     done = subprocess.run([sys.executable, str(STAGE)], cwd=root, env=env, capture_output=True, text=True)
     seconds = time.perf_counter() - started

@@ -215,6 +215,8 @@ def ttt_loss(
             step_loss = (per_position * valid[:, :scored]).sum() / count.clamp(min=1)
             loss = loss + step_decay**k * step_loss
             tracked[f"loss_{k}"] = step_loss.detach()
+        else:  # a batch too short for this step: no position counts, but every batch names the same metrics
+            tracked[f"loss_{k}"] = loss.new_zeros(())
         tracked[f"acc_{k}"] = (correct & valid).sum() / count.clamp(min=1)
         conditional = valid & alive
         tracked[f"cond_acc_{k}"] = (correct & conditional).sum() / conditional.sum().clamp(min=1)

@@ -121,12 +121,14 @@ class DataParallel:
         return group[self.rank * accumulate : (self.rank + 1) * accumulate]
 
     def fillers(self, group: list, accumulate: int) -> list:
-        """Under FSDP, every process must run as many backward passes as the others (each one reduce-scatters):
-        a process short of ``accumulate`` micro-batches in a step's last, partial group repeats the group's first
-        one that many times, to be trained with weight 0."""
-        if not self.sharded:
-            return []
-        return group[:1] * (accumulate - len(self.share(group, accumulate)))
+        """Micro-batches a process trains with weight 0 in a step's last, partial group. Under FSDP every process
+        must run as many backward passes as the others (each one reduce-scatters), so one short of ``accumulate``
+        repeats the group's first micro-batch that many times; replicated, one with none of its own runs it once,
+        for the names and shapes of the metrics every process adds to the step's (``sum_over_processes``)."""
+        mine = len(self.share(group, accumulate))
+        if self.sharded:
+            return group[:1] * (accumulate - mine)
+        return group[:1] if self.world > 1 and not mine else []
 
     def sum_gradients(self, parameters: list[torch.Tensor]) -> None:
         """Replace each gradient by its sum over all processes (a process without a micro-batch adds zeros).
@@ -139,6 +141,15 @@ class DataParallel:
         dist.all_reduce(flat)
         for parameter, grad in zip(parameters, flat.split([p.numel() for p in parameters]), strict=True):
             parameter.grad = grad.view_as(parameter)
+
+    def sum_over_processes(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` summed over all processes (the step's metric sums and counts), without reading it."""
+        if self.world == 1:
+            return tensor
+        import torch.distributed as dist
+
+        dist.all_reduce(tensor)
+        return tensor
 
     def gather(self, state: torch.Tensor) -> list[torch.Tensor]:
         """A tensor of equal shape from every process (the noise generators' states, peak memory), by rank."""

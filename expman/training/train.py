@@ -59,14 +59,15 @@ def training_step(
     and backward for each, gradients summed across processes, clip, AdamW, schedule.
 
     Each loss is scaled by 1 / ``micro_batches``, the step's micro-batches on all processes (default: these), so
-    the update is the mean over the whole global batch; ``fillers`` (FSDP's, see ``DataParallel.fillers``) run
-    with weight 0. Metrics are this process's, averaged over its batches, as 0-d tensors still on the device: the
-    step never waits for the GPU to read them (``metric_values`` reads them, once per logging interval)."""
+    the update is the mean over the whole global batch; ``fillers`` (see ``DataParallel.fillers``) run with weight
+    0. Metrics are the global batch's, averaged over the step's micro-batches on all processes (one all-reduce of a
+    few numbers), as 0-d tensors still on the device: the step never waits for the GPU to read them
+    (``metric_values`` reads them, once per logging interval)."""
     count = micro_batches or len(batches)
     compiled = compiles(section, device)
     objective = compiled_ttt_loss() if compiled else ttt_loss
     optimizer.zero_grad(set_to_none=True)
-    tracked_all = []
+    tracked_all, names = [], []
     for batch, weight in [(b, 1.0) for b in batches] + [(b, 0.0) for b in fillers]:
         if compiled:  # one shape for the compiled loss (flex attention has no dynamic shapes)
             batch = batch.padded(section.max_tokens)
@@ -77,6 +78,7 @@ def training_step(
         (loss * weight / count).backward()
         if weight:
             tracked_all.append(tracked)
+        names = names or list(tracked)
     trainable = [p for group in optimizer.param_groups for p in group["params"]]
     if parallel is not None:
         parallel.sum_gradients(trainable)
@@ -85,22 +87,38 @@ def training_step(
         grad_norm = grad_norm.full_tensor()
     optimizer.step()
     scheduler.step()
-    return mean_metrics(tracked_all) | {"grad_norm": grad_norm.detach()}
+    if parallel is None or parallel.world == 1:
+        metrics = mean_metrics(tracked_all)
+    else:
+        sums, counts = metric_sums(tracked_all, names, grad_norm.device)
+        totals = parallel.sum_over_processes(torch.stack([sums, counts]))
+        metrics = dict(zip(names, totals[0] / totals[1].clamp(min=1), strict=True))
+    return metrics | {"grad_norm": grad_norm.detach()}
+
+
+def metric_sums(
+    tracked: list[dict[str, torch.Tensor]], names: list[str], device: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per metric of ``names``: its sum over ``tracked`` (batches or steps) and how many of them count; a ``loss_k``
+    counts only where its step had positions (``metric_values`` drops it where none had). On the device, unread."""
+    sums, counts = [], []
+    for name in names:
+        values = torch.stack([t[name].float() for t in tracked]) if tracked else torch.zeros(0, device=device)
+        counted = torch.ones_like(values)
+        if name.startswith("loss_") and f"positions_{name[5:]}" in names and tracked:
+            counted = torch.stack([(t[f"positions_{name[5:]}"] > 0).float() for t in tracked])
+        sums.append((values * counted).sum())
+        counts.append(counted.sum())
+    return torch.stack(sums), torch.stack(counts)
 
 
 def mean_metrics(tracked: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """The mean of each metric over ``tracked`` (batches or steps), computed on the device without reading it; a
-    ``loss_k`` counts only where its step had positions (``metric_values`` drops it where none had). None for a
-    process that had no batch of its own in a step (the last, partial step of an epoch under torchrun): {}."""
-    means = {}
-    for name in tracked[0] if tracked else []:
-        values = torch.stack([t[name].float() for t in tracked])
-        if name.startswith("loss_") and f"positions_{name[5:]}" in tracked[0]:
-            scored = torch.stack([(t[f"positions_{name[5:]}"] > 0).float() for t in tracked])
-            means[name] = (values * scored).sum() / scored.sum().clamp(min=1)
-        else:
-            means[name] = values.mean()
-    return means
+    """The mean of each metric over ``tracked`` (batches or steps), as ``metric_sums`` counts them; {} when empty."""
+    if not tracked:
+        return {}
+    names = list(tracked[0])
+    sums, counts = metric_sums(tracked, names, None)
+    return dict(zip(names, sums / counts.clamp(min=1), strict=True))
 
 
 def autocasts(section: TrainParams, device: str) -> bool:
