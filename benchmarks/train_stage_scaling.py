@@ -41,6 +41,7 @@ import yaml
 from harness import SHAPES, header, write_report
 from train_stage_throughput import drop_page_cache, write_project
 
+from expman.params import STAGE_SECTIONS
 from expman.paths import TrainPaths
 from expman.provenance import read_manifest
 
@@ -54,8 +55,7 @@ def write_params(root: Path, train: dict) -> None:
     """A params.yaml the stage accepts: every section at its defaults but ``train``."""
     (root / "data/prompts").mkdir(parents=True, exist_ok=True)
     (root / "data/prompts/train.jsonl").write_text('{"id": "bench-0", "prompt": "unused"}\n')
-    sections = ["prepare", "generate", "extract", "vocab", "baseline", "train", "evaluate", "benchmark", "register"]
-    params: dict = {name: {} for name in sections}
+    params: dict = {name: {} for name in STAGE_SECTIONS}
     params["generate"] = {"datasets": [{"path": "data/prompts/train.jsonl", "split": "train"}]}
     params["train"] = train
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
