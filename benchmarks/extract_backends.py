@@ -6,7 +6,8 @@ Run it in a project whose generate stage has run (the default graph after ``dvc 
 
   python benchmarks/extract_backends.py --project . --out benchmarks/results/extract_backends_cpu.json
 
-Each arm writes its shards into a fresh folder under ``--work`` (nothing of the project is touched). The
+Each arm writes its shards into a fresh feature store, ``--work``/features (nothing of the project is touched;
+each backend's set has its own key). The
 verifier's load, and the engine's start (on CPU, with its graph compile), are inside each arm's time, as they are
 in the stage.
 """
@@ -22,14 +23,15 @@ from harness import header, write_report
 
 
 def _arm(project: Path, work: Path, backend: str) -> tuple[dict, float]:
-    """One extract stage run with ``backend`` into fresh folders: its manifest and wall seconds."""
+    """One extract stage run with ``backend`` into fresh folders (its features into the store ``main`` emptied): its
+    manifest and wall seconds."""
     from expman.data.extract import extract
     from expman.params import load_params
     from expman.paths import ExtractPaths
 
     params = load_params(project / "params.yaml")
     shutil.rmtree(work / backend, ignore_errors=True)
-    section = params.extract.model_copy(update={"backend": backend, "shard_dir": str(work / backend / "shards")})
+    section = params.extract.model_copy(update={"backend": backend})
     params = params.model_copy(update={"extract": section})
     started = time.perf_counter()
     manifest = extract(params, ExtractPaths(project / "models/verifier", project / "data/generated", work / backend))
@@ -64,9 +66,14 @@ def main(project: Path, work: Path, out: Path | None) -> None:
     """Time the extract stage with the hf and vllm backends on the same responses."""
     import os
 
+    from expman.data.features import STORE_VARIABLE
+
     os.chdir(project)  # the stage's MLflow runs land in the project's own store
     project = Path(".")
     work.mkdir(parents=True, exist_ok=True)
+    store = (work / "features").absolute()
+    shutil.rmtree(store, ignore_errors=True)  # no published set to reuse: every arm computes its shards
+    os.environ[STORE_VARIABLE] = str(store)
     arms, manifests = {}, {}
     for backend in ("hf", "vllm"):
         manifest, seconds = _arm(project, work, backend)

@@ -9,10 +9,12 @@ A trial passes when the rerun exits 0 and every file under the stage's output ro
 After a stage's trials its reference outputs are put back, so the next stage reads exactly what it would have.
 
 Digests: sha256 of the bytes of every file under the roots, hidden files included (a temp file a kill leaves
-behind is a difference). One exclusion: ``provenance.mlflow_run_id`` in ``manifest.json`` files, the id of
-the MLflow run each execution opens by design; the rest of a manifest (data facts, params, argv, packages,
-upstream digests and run ids) must match. The train roots are all of ``models/`` (minus the verifier, its
-input) and ``metrics/``: atomic_dir writes the drafter through a temp folder beside ``models/drafter``.
+behind is a difference). Manifests are compared byte for byte too: they hold only content (the run id, argv and
+packages of each execution are in its MLflow run). One exclusion: ``created`` in a feature set's ``set.json``,
+the time the set was published. Extract's roots are ``data/extract`` and the project's feature store
+(``.expman/features``: the published set, or the ``<key>.partial`` folder a kill leaves). The train roots are all
+of ``models/`` (minus the verifier, its input) and ``metrics/``: atomic_dir writes the drafter through a temp
+folder beside ``models/drafter``.
 
   python benchmarks/kill_trials.py --out benchmarks/results/kill_trials.json
 """
@@ -100,18 +102,18 @@ class Stage:
 
 STAGES = [
     Stage("generate", ("data/generated", "data/.generate-state"), "data/generated/manifest.json"),
-    Stage("extract", ("data/extract",), "data/extract/manifest.json"),
+    Stage("extract", ("data/extract", ".expman/features"), "data/extract/manifest.json"),
     Stage("train", ("models", "metrics"), "models/drafter/manifest.json", keep=("models/verifier",)),
 ]
 
 
 def digest(file: Path) -> str:
-    """sha256 of the file; for a manifest, of its canonical JSON without the MLflow run id."""
-    if file.name != "manifest.json":
+    """sha256 of the file; for a feature set's set.json, of its canonical JSON without the time it was published."""
+    if file.name != "set.json":
         return sha256_file(file)
-    manifest = json.loads(file.read_text(encoding="utf-8"))
-    manifest.get("provenance", {}).pop("mlflow_run_id", None)
-    return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
+    facts = json.loads(file.read_text(encoding="utf-8"))
+    facts.pop("created", None)
+    return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()
 
 
 def digests(project: Path, stage: Stage) -> dict[str, str]:
@@ -130,7 +132,8 @@ def differences(got: dict[str, str], want: dict[str, str]) -> list[str]:
 
 def start(project: Path, stage: str, log: Path) -> subprocess.Popen:
     """``python stages/<stage>.py`` in the project, as dvc runs it, in its own process group."""
-    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME")}
+    ignored = ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "EXPMAN_FEATURE_STORE")  # the project's own stores
+    env = {k: v for k, v in os.environ.items() if k not in ignored}
     env |= {"GIT_CEILING_DIRECTORIES": str(project.parent), "TOKENIZERS_PARALLELISM": "false"}
     with open(log, "ab") as handle:
         return subprocess.Popen(

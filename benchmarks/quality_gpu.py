@@ -367,7 +367,7 @@ def _evaluation_files() -> list[Path]:
     """What the benchmark stage reads besides the drafters: the evaluation, its manifest, the generate manifest
     and the shards of the split it was made on (a few hundred kB, all text)."""
     manifest = json.loads(Path("data/evaluate/manifest.json").read_text())
-    split = Path("data/generated") / manifest["provenance"]["params"]["split"]
+    split = Path("data/generated") / manifest["params"]["split"]
     fixed = [Path("data/evaluate/evaluation.json"), Path("data/evaluate/manifest.json")]
     shards = sorted(p for p in split.iterdir() if p.is_file() and not p.name.startswith("."))
     return [*fixed, Path("data/generated/manifest.json"), *shards]

@@ -9,8 +9,8 @@ Run from the project root after ``dvc repro`` (or ``dvc exp run -S preset=...``)
 A screen costs one training run (minutes on 2 CPU cores for the default graph) instead of a whole
 ``dvc exp run``; its winners go into a preset and are confirmed there by the reference evaluator and vLLM
 (benchmarks/quality.py). Each screen is an MLflow run named ``screen-<name>`` in the project's store; a change to
-the vocab or extract section builds its own vocab or features under ``--work``. A row of the same name is
-replaced.
+the vocab section builds its own vocab under ``--work``, and one to the extract section its own extract manifest
+there, over the features of its own key in the project's feature store. A row of the same name is replaced.
 """
 
 from __future__ import annotations
@@ -72,7 +72,6 @@ def main(name: str, changes: dict[str, Any], sample_share: float, params_file: s
         vocab(params, VocabPaths(paths.GENERATED, vocab_dir))
     if any(key.startswith("extract.") for key in changes):
         extract_dir = folder / "extract"
-        params = _with_changes(params, {"extract.shard_dir": str(extract_dir / "shards")})
         extract(params, ExtractPaths(paths.VERIFIER, paths.GENERATED, extract_dir))
     started = time.perf_counter()
     where = replace(

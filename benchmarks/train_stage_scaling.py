@@ -39,11 +39,13 @@ import click
 import torch
 import yaml
 from harness import SHAPES, header, write_report
-from train_stage_throughput import drop_page_cache, write_project
+from train_stage_throughput import drop_page_cache, shards_folder, write_project
 
+from expman.data.features import STORE_VARIABLE
 from expman.params import STAGE_SECTIONS
 from expman.paths import TrainPaths
 from expman.provenance import read_manifest
+from expman.registry.tracking import run_of_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 STAGE = REPO / "stages/train.py"
@@ -70,9 +72,10 @@ def run_arm(root: Path, train: dict) -> dict:
     for folder in (where.out, where.state, where.plots):
         shutil.rmtree(root / folder, ignore_errors=True)
     write_params(root, train)
-    cache = drop_page_cache(root / "shards")
+    cache = drop_page_cache(shards_folder(root))
     uri = f"sqlite:///{root / 'mlflow.db'}"
     env = os.environ | {"MLFLOW_TRACKING_URI": uri, "PYTHONPATH": os.pathsep.join([str(REPO), *sys.path[1:]])}
+    env[STORE_VARIABLE] = str(root / "features")  # where write_project published the features
     compiled = Path(tempfile.mkdtemp(prefix="compile-cache-", dir=root))  # each arm compiles cold, as a first run
     env |= {"TORCHINDUCTOR_CACHE_DIR": str(compiled / "inductor"), "TRITON_CACHE_DIR": str(compiled / "triton")}
     started = time.perf_counter()
@@ -81,7 +84,7 @@ def run_arm(root: Path, train: dict) -> dict:
     if done.returncode:
         raise click.ClickException(f"the train stage failed ({train}):\n{done.stderr[-3000:]}")
     manifest = read_manifest(root / where.out / "manifest.json", "train")
-    run_id = manifest["provenance"]["mlflow_run_id"]
+    run_id = _run_of(root / where.out / "manifest.json", uri)
     client = MlflowClient(uri)
     epochs = sorted(client.get_metric_history(run_id, "epoch_tok_per_s"), key=lambda m: m.step)
     losses = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "train/loss"))
@@ -95,6 +98,22 @@ def run_arm(root: Path, train: dict) -> dict:
         "peak_gib_per_gpu": manifest.get("gpu_peak_gib"),
         "mlflow_run_id": run_id,
     }
+
+
+def _run_of(manifest: Path, uri: str) -> str:
+    """The MLflow run (in the store at ``uri``) that wrote ``manifest``."""
+    saved = os.environ.get("MLFLOW_TRACKING_URI")
+    os.environ["MLFLOW_TRACKING_URI"] = uri
+    try:
+        run_id = run_of_manifest(manifest)
+    finally:
+        if saved is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = saved
+    if run_id is None:
+        raise click.ClickException(f"{manifest}: no run in {uri} wrote it")
+    return run_id
 
 
 def stage_rate(arm: dict) -> float:
@@ -160,7 +179,7 @@ def main(
         try:
             where = TrainPaths.default()
             located = TrainPaths(*(root / p if p is not None else None for p in vars(where).values()))
-            data = write_project(located, root / "shards", SHAPES[shape], gib, document, shard_gib, device)
+            data = write_project(located, shards_folder(root), SHAPES[shape], gib, document, shard_gib, device)
             row = {"shape": shape, "ttt_steps": 3, "tokens_per_micro_batch": tokens, "document_tokens": document}
             row |= {"data": data, "single": run_arm(root, common | {"accumulate": gpus})}
             for mode in modes.split(","):

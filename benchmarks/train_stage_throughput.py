@@ -35,6 +35,7 @@ from harness import SHAPES, cpu_flags, cpu_name, header, write_report
 from train_throughput import StepConfig, measure, run_peer
 
 from expman.data.extract import save_streamed
+from expman.data.features import STORE_VARIABLE
 from expman.data.shards import ShardSet
 from expman.params import TrainParams
 from expman.paths import TrainPaths
@@ -43,9 +44,18 @@ from expman.provenance import atomic_write_json, sha256_json
 DRAFT_VOCAB = {"cuda": 32000, "cpu": 8192}
 """The peer harness's draft vocab on GPU; the default graph's (vocab.draft_vocab_size) on the CPU."""
 
+FEATURE_KEY = "bench"
+"""The key of the feature set the script publishes in its feature store (root/features)."""
+
+
+def shards_folder(root: Path) -> Path:
+    """The published feature set of the project in ``root``: ``EXPMAN_FEATURE_STORE`` is root/features."""
+    return root / "features" / FEATURE_KEY
+
 
 def bench_paths(root: Path) -> TrainPaths:
-    """Where this script's project keeps the train stage's inputs and outputs (the shards go to root/shards)."""
+    """Where this script's project keeps the train stage's inputs and outputs (the shards go to the feature store,
+    root/features)."""
     return TrainPaths(
         verifier=root / "verifier",
         extract=root / "extract",
@@ -61,7 +71,8 @@ def write_project(
     where: TrainPaths, shards_dir: Path, shape: dict, gib: float, document: int, shard_gib: float, device: str
 ) -> dict:
     """A prepared verifier (config + the three head tensors), a vocab and an extract manifest with ``gib`` of
-    random feature shards of ``document``-token documents in ``shards_dir``; returns the data's facts."""
+    random feature shards of ``document``-token documents, published as the feature set ``FEATURE_KEY`` in
+    ``shards_dir`` (that set's folder in the feature store); returns the data's facts."""
     hidden, vocab = shape["hidden_size"], shape["vocab_size"]
     verifier = {"architecture": "LlamaForCausalLM", "hidden_size": hidden, "vocab_size": vocab}
     verifier |= {"num_hidden_layers": shape["num_hidden_layers"]}
@@ -111,7 +122,8 @@ def write_project(
         name = f"shard-{index:05d}.safetensors"
         facts = {"samples": per_shard, "tokens": tokens, "loss_tokens": int(mask.sum())}
         entries.append(shards.write(name, key, lambda tmp, t=tensors, m=metadata: save_streamed(t, tmp, m), **facts))
-    manifest = {"stage": "extract", "contract": contract, "shard_dir": str(shards_dir), "shards": entries}
+    atomic_write_json(shards_dir / "set.json", {"key": FEATURE_KEY, "contract": contract, "shards": entries})
+    manifest = {"stage": "extract", "contract": contract, "features": {"key": FEATURE_KEY}, "shards": entries}
     atomic_write_json(where.extract / "manifest.json", manifest)
     stored = sum(e["bytes"] for e in entries)
     return {
@@ -149,19 +161,19 @@ def read_rates(root: Path) -> dict:
 
     manifest = json.loads((root / "extract/manifest.json").read_text())
     total = sum(entry["bytes"] for entry in manifest["shards"])
-    paths = sorted((root / "shards").glob("*.safetensors"))
+    paths = sorted(shards_folder(root).glob("*.safetensors"))
 
     def read(path: Path) -> None:
         with open(path, "rb", buffering=0) as handle:
             while handle.read(16 << 20):
                 pass
 
-    drop_page_cache(root / "shards")
+    drop_page_cache(shards_folder(root))
     started = time.perf_counter()
     with ThreadPoolExecutor(reader_threads()) as pool:
         list(pool.map(read, paths))
     disk = total / (time.perf_counter() - started)
-    drop_page_cache(root / "shards")
+    drop_page_cache(shards_folder(root))
     reader = ShardReader(manifest)
     started = time.perf_counter()
     futures = [reader.read(index) for index in range(len(manifest["shards"]))]
@@ -242,11 +254,12 @@ def main(
         root = Path(tempfile.mkdtemp(prefix=f"stage-{shape_name}-", dir=workdir))
         try:
             shape = SHAPES[shape_name]
-            data = write_project(bench_paths(root), root / "shards", shape, gib, document, shard_gib, device)
+            os.environ[STORE_VARIABLE] = str(root / "features")  # the stage and the reader find the set there
+            data = write_project(bench_paths(root), shards_folder(root), shape, gib, document, shard_gib, device)
             if gpu:
                 data |= read_rates(root)
                 data["cold_checked_tok_s"] = data["cold_checked_gib_s"] * 2**30 / data["bytes_per_token"]
-            data["page_cache"] = drop_page_cache(root / "shards")
+            data["page_cache"] = drop_page_cache(shards_folder(root))
             section = section_for(device, epochs, tokens, 3, **({"shard_window": shard_window} if shard_window else {}))
             row = {"shape": shape_name, "ttt_steps": 3, "tokens_per_step": tokens, "document_tokens": document}
             row |= {"data": data, "shard_window": getattr(section, "shard_window", None)}

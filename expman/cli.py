@@ -95,13 +95,16 @@ def compare(refs: tuple[str, ...], model: str | None, baseline: str | None, k: i
 @click.option("--force", is_flag=True, help="promote although gates fail (needs --reason; recorded)")
 @click.option("--reason", default=None, help="why; recorded on the version")
 @click.option("--params", "params_file", default=None, help="params file [default: params.yaml if present]")
-def promote(model: str, version: str, alias: str, force: bool, reason: str | None, params_file: str | None) -> None:
+@click.option("--json", "as_json", is_flag=True, help="print every gate as JSON, also when refused")
+def promote(
+    model: str, version: str, alias: str, force: bool, reason: str | None, params_file: str | None, as_json: bool
+) -> None:
     """Move ALIAS to MODEL's VERSION (number, @alias or run id) if it passes the promote gates."""
     from pathlib import Path
 
     from expman.params import EvaluateParams, PromoteParams, load_params
+    from expman.registry.promote import PromotionRefused, render_gates, render_json, resolved_target
     from expman.registry.promote import promote as run_promotion
-    from expman.registry.promote import render_gates, resolved_target
     from expman.registry.reader import open_registry
 
     with user_errors():
@@ -110,7 +113,15 @@ def promote(model: str, version: str, alias: str, force: bool, reason: str | Non
         else:
             params = load_params(params_file or "params.yaml")
             section = resolved_target(params.promote, params.evaluate)
-        promoted, k, gates = run_promotion(open_registry(), model, version, alias, section, force, reason)
+        try:
+            promoted, k, gates = run_promotion(open_registry(), model, version, alias, section, force, reason)
+        except PromotionRefused as refused:
+            if as_json:
+                click.echo(render_json(refused.version, alias, refused.k, refused.gates, section.target, False))
+            raise
+    if as_json:
+        click.echo(render_json(promoted, alias, k, gates, section.target, True))
+        return
     click.echo(render_gates(promoted, alias, k, gates, section.target))
     forced = " (forced: gates failed)" if not all(g.passed for g in gates) else ""
     click.echo(f"{promoted.name} v{promoted.version} is now @{alias}{forced}")
@@ -165,3 +176,32 @@ def runs(limit: int, as_json: bool) -> None:
     with user_errors():
         listing = list_runs(limit)
     click.echo(json.dumps(listing, indent=2) if as_json else render_runs(listing))
+
+
+@main.group(invoke_without_command=True)
+@click.option("--json", "as_json", is_flag=True, help="print JSON")
+@click.pass_context
+def features(context: click.Context, as_json: bool) -> None:
+    """The feature store's sets: key, size, tokens, verifier, created, and the commits, branches and experiments
+    whose extract manifest names them. Store: EXPMAN_FEATURE_STORE, else <project>/.expman/features."""
+    if context.invoked_subcommand is not None:
+        return
+    from expman.data.feature_refs import list_sets, render_sets
+    from expman.data.features import FeatureStore
+
+    store = FeatureStore.default()
+    listed = list_sets(store)
+    click.echo(
+        json.dumps({"store": str(store.root), "sets": listed}, indent=2) if as_json else render_sets(listed, store)
+    )
+
+
+@features.command("gc")
+@click.option("--yes", is_flag=True, help="delete; without it, only say what would be deleted")
+def features_gc(yes: bool) -> None:
+    """Remove the sets that no commit, branch, experiment or the workspace references, and that no running stage
+    holds. A dry run unless --yes."""
+    from expman.data.feature_refs import collect_garbage
+
+    lines = collect_garbage(delete=yes)
+    click.echo("\n".join(lines) if lines else "nothing to remove: every set is referenced")

@@ -1,10 +1,11 @@
 """expman doctor: what would make the next stage fail or mislead, each finding with the command that fixes it.
 
-Four checks, run from the project root. GPU: processes holding GPU memory; a leftover engine process (a vLLM
-EngineCore whose stage died) can hold 81 GB until someone kills it. Disk: free space where extract writes
-against the extract stage's storage estimate. Contract: the capture contract of the extract manifest against
-the verifier, the drafter checkpoints and the registered baseline / candidate / champion. Versions: engine,
-libraries and CUDA. The doctor only reads: it kills and changes nothing, and imports neither vllm nor mlflow.
+Five checks, run from the project root. GPU: processes holding GPU memory; a leftover engine process (a vLLM
+EngineCore whose stage died) can hold 81 GB until someone kills it. Disk: free space in the feature store against
+the extract stage's storage estimate. Features: the set the extract manifest names is in the feature store (in a
+teammate's clone after ``dvc pull`` it is not, unless they share the store). Contract: the capture contract of
+the extract manifest against the verifier, the drafter checkpoints and the registered baseline / candidate /
+champion. Versions: engine, libraries and CUDA. The doctor only reads: it kills and changes nothing, and imports neither vllm nor mlflow.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 
 from expman import paths
 from expman.data.extract import bytes_per_token
+from expman.data.features import STORE_VARIABLE, FeatureStore
 from expman.data.shards import disk_room, readable_size
 from expman.errors import ExpmanError
 from expman.params import Params, load_params, resolve_package_file
@@ -31,6 +33,7 @@ __all__ = [
     "GpuProcess",
     "check_contract",
     "check_disk",
+    "check_features",
     "check_gpu",
     "check_versions",
     "diagnose",
@@ -225,26 +228,41 @@ def extract_estimate(params: Params) -> Estimate:
 
 
 def check_disk(params: Params) -> list[Finding]:
-    """The extract estimate against the free space of the disk that holds ``extract.shard_dir``; shards already
-    there count as space (a resumed extract keeps them)."""
+    """The extract estimate against the free space of the disk that holds the feature store."""
     try:
         estimate = extract_estimate(params)
     except (ExpmanError, OSError, KeyError, TypeError, ValueError) as err:
         return [Finding("disk", "warning", f"no extract storage estimate: {err}", "dvc repro prepare")]
-    shard_dir = Path(params.extract.shard_dir)
-    free, existing = disk_room(shard_dir)
-    needed = max(estimate.total - existing, 0)
-    kept = f", {readable_size(existing)} of it already there" if existing else ""
+    store = FeatureStore.default().root
+    free, _ = disk_room(store)
+    needed = estimate.total
     message = (
-        f"extract needs about {readable_size(estimate.total)} in {shard_dir} ({estimate.tokens:,} tokens × "
-        f"{estimate.bytes_per_token:,} B; {estimate.basis}){kept}; {readable_size(free)} free there"
+        f"extract needs about {readable_size(estimate.total)} in the feature store {store} ({estimate.tokens:,} "
+        f"tokens × {estimate.bytes_per_token:,} B; {estimate.basis}); {readable_size(free)} free there"
     )
-    fix = f"dvc exp run -S extract.shard_dir=<a folder on a disk with {readable_size(needed)} free>"
+    fix = f"expman features gc --yes, or export {STORE_VARIABLE}=<a folder on a disk with {readable_size(needed)} free>"
     if needed > free:
         return [Finding("disk", "error", message, fix)]
     if needed > TIGHT * free:
         return [Finding("disk", "warning", message + " (tight)", fix)]
     return [Finding("disk", "ok", message)]
+
+
+def check_features() -> list[Finding]:
+    """The feature set the workspace's extract manifest names, in the feature store."""
+    manifest = _json(EXTRACT_MANIFEST)
+    key = ((manifest or {}).get("features") or {}).get("key") if isinstance(manifest, dict) else None
+    if key is None:
+        return []
+    store = FeatureStore.default()
+    if store.published(key) is None:
+        message = (
+            f"{EXTRACT_MANIFEST} names features {key} ({len(manifest.get('shards', []))} shards), which the feature "
+            f"store {store.root} lacks: train cannot read them"
+        )
+        fix = f"export {STORE_VARIABLE}=<the store that has them>, or compute them here: dvc repro -f extract"
+        return [Finding("features", "error", message, fix)]
+    return [Finding("features", "ok", f"features {key} of {EXTRACT_MANIFEST} are in {store.root}")]
 
 
 # Contract: the extract manifest's capture contract against everything that must agree with it.
@@ -431,7 +449,8 @@ def _model_name(params: Params | None) -> str | None:
 
 
 def diagnose(params_file: Path) -> list[Finding]:
-    """Every check, in order: GPU, params, disk, contract, versions. A check that cannot run is a finding too."""
+    """Every check, in order: GPU, params, disk, features, contract, versions. A check that cannot run is a finding
+    too."""
     findings = check_gpu()
     try:
         params = load_params(params_file)
@@ -440,6 +459,7 @@ def diagnose(params_file: Path) -> list[Finding]:
         findings.append(Finding("params", "error", str(err), f"expman params check --params {params_file}"))
     if params is not None:
         findings += check_disk(params)
+    findings += check_features()
     try:
         findings += check_contract(_model_name(params))
     except (ExpmanError, KeyError, TypeError, AttributeError) as err:  # a manifest that is not as stages write it

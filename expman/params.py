@@ -245,8 +245,6 @@ class ExtractParams(Section):
     batch_tokens: PositiveInt = 8192
     """Padded tokens per forward batch."""
     samples_per_shard: PositiveInt = 64
-    shard_dir: str = "data/extract/shards"
-    """Where the (large, not DVC-cached) shards go; may be outside the project."""
     device: Device = "auto"
     dtype: Dtype = "auto"
     gpus: PositiveInt = 1
@@ -508,6 +506,10 @@ class PromoteParams(Section):
     """Every evaluated prompt's output must equal plain greedy decoding, at every k."""
     block_integration_fault: StrictBool = True
     """Refuse a version tagged ``expman.integration_fault=true`` (engine and reference evaluator disagree)."""
+    require_engine: StrictBool = True
+    """With ``block_integration_fault``: refuse a version no serving engine measured (integration fault ``not
+    measured``, e.g. ``benchmark.engine: none``); false lets it pass on the reference evaluator alone, recorded in
+    the promote audit tags."""
     target: str = "auto"
     """The deployment target the speedup must have been measured on; gates and audit tags name it, e.g.
     ``torch-cpu-float32-batch1``. auto: the one this machine's ``evaluate`` section measures on (its device and the

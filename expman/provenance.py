@@ -1,7 +1,10 @@
 """Provenance and atomic files: every stage output folder carries a manifest.json written atomically.
 
-A manifest holds the stage's data facts plus a ``provenance`` block: resolved params, git sha, package
-versions, argv, upstream manifest digests and run ids, and the stage's own MLflow run id.
+A manifest holds only what decides the stage's result: its data facts, its resolved params and the digests of the
+upstream manifests it read. DVC hashes manifests as dependencies, so the same content must give the same bytes
+from any workspace, commit or run. What differs between runs of the same content (git sha, package versions,
+argv, the DVC experiment's name, the MLflow run ids of the stage and its inputs) is the run's provenance: it goes
+to the stage's MLflow run (tags and a ``provenance.json`` artifact), which DVC never hashes.
 """
 
 from __future__ import annotations
@@ -125,16 +128,15 @@ def package_versions() -> dict[str, str]:
     return versions
 
 
-def provenance(params: dict[str, Any], upstream: dict[str, dict[str, str]], run_id: str | None) -> dict[str, Any]:
-    """The provenance block every manifest carries."""
+def provenance(upstream_runs: dict[str, str], run_id: str) -> dict[str, Any]:
+    """What a stage run records beside its manifest: who ran it, where, with what, from which upstream runs."""
     return {
-        "params": params,
         "git_sha": git_sha(),
         "packages": package_versions(),
         "python": sys.version.split()[0],
         "argv": sys.argv,
         "dvc_exp_name": os.environ.get("DVC_EXP_NAME"),
-        "upstream": upstream,
+        "upstream_runs": upstream_runs,
         "mlflow_run_id": run_id,
     }
 
@@ -153,10 +155,6 @@ def read_manifest(path: Path, stage: str) -> dict[str, Any]:
     return manifest
 
 
-def upstream_entry(path: Path, manifest: dict[str, Any]) -> dict[str, str]:
-    """How a stage records one input: the manifest's digest and the run that wrote it."""
-    return {
-        "manifest": str(path),
-        "manifest_sha256": sha256_file(path),
-        "mlflow_run_id": (manifest.get("provenance") or {}).get("mlflow_run_id") or "",
-    }
+def upstream_entry(path: Path) -> dict[str, str]:
+    """How a stage records one input: the manifest's digest (the run that wrote it is found by that digest)."""
+    return {"manifest": str(path), "manifest_sha256": sha256_file(path)}

@@ -142,14 +142,17 @@ def tiny_checkpoint(folder: Path, seed: int = 0) -> Path:
     return folder
 
 
-def log_evaluation(result: Mapping[str, Any]) -> str:
-    """An evaluate-stage run holding ``result`` as its ``evaluation.json`` artifact; returns the run id."""
+def log_evaluation(result: Mapping[str, Any], manifest: Path | None = None) -> str:
+    """An evaluate-stage run holding ``result`` as its ``evaluation.json`` artifact; returns the run id. Given a
+    ``manifest`` path, the run writes the stage's manifest there, as the evaluate stage does."""
     from expman.registry.tracking import stage_run
 
     with tempfile.TemporaryDirectory() as tmp, stage_run("evaluate", {}, {}) as run:
         path = Path(tmp) / "evaluation.json"
         path.write_text(json.dumps(result))
         run.log_artifact(path)
+        if manifest is not None:
+            run.write_manifest(manifest, {})
         return run.run_id
 
 

@@ -27,6 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from expman.cli import main as expman
+from expman.data.features import FeatureStore, feature_folder
 from tests.conftest import tiny_params, write_prompts
 from tests.registry_fixtures import _empty_store, tiny_checkpoint, use_store
 from tests.test_params import DELETE, _set
@@ -273,9 +274,11 @@ def test_corrupted_gguf(project: Path, content: bytes) -> None:
 
 
 def _shard(root: Path, index: int) -> Path:
-    """The extract shard the manifest lists at ``index``."""
+    """The extract shard the manifest lists at ``index``, in the project's feature store."""
     manifest = json.loads((root / "data/extract/manifest.json").read_text())
-    return root / manifest["shard_dir"] / manifest["shards"][index]["path"]
+    folder = feature_folder(manifest)
+    assert folder.is_relative_to(root / ".expman/features")  # the staged copy's own store, not the built one's
+    return folder / manifest["shards"][index]["path"]
 
 
 def test_garbage_extract_shard(staged: Path) -> None:
@@ -283,7 +286,7 @@ def test_garbage_extract_shard(staged: Path) -> None:
     data = bytearray(shard.read_bytes())
     data[:16] = b"\xff" * 16  # same size, unreadable header
     shard.write_bytes(bytes(data))
-    _refused(_stage("train"), [], "data/extract/shards/shard-00000.safetensors: not the shard the manifest lists")
+    _refused(_stage("train"), [], f"{shard}: not the shard the manifest lists")
 
 
 def test_same_size_shard_from_another_run(staged: Path) -> None:
@@ -296,30 +299,43 @@ def test_same_size_shard_from_another_run(staged: Path) -> None:
     size = shard.stat().st_size
     save_file(tensors, str(shard), metadata={"expman": json.dumps(metadata)})
     assert shard.stat().st_size == size  # only the plan key can tell it apart before a full checksum
-    _refused(_stage("train"), [], "data/extract/shards/shard-00000.safetensors: not the shard the manifest lists")
+    _refused(_stage("train"), [], f"{shard}: not the shard the manifest lists")
 
 
 def test_shard_swapped_with_another(staged: Path) -> None:
     shutil.copyfile(_shard(staged, 1), _shard(staged, 0))
-    _refused(_stage("baseline"), [], "data/extract/shards/shard-00000.safetensors: not the shard the manifest lists")
+    _refused(_stage("baseline"), [], f"{_shard(staged, 0)}: not the shard the manifest lists")
 
 
 def test_shards_that_cannot_fit_the_disk(staged: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """extract refuses before the verifier loads when its shards cannot fit where extract.shard_dir points (the gpu
+    """extract refuses before the verifier loads when its shards cannot fit the disk of the feature store (the gpu
     preset writes 37.7 GB; a run that ran out of room midway would have spent its GPU time for nothing), and a
     resumed extract counts the shards it already wrote as room."""
     real = shutil.disk_usage
     monkeypatch.setattr(shutil, "disk_usage", lambda path: real(path)._replace(free=1000))
-    result = CliRunner().invoke(_stage("extract"), [])  # every shard already there: nothing more to write
+    result = CliRunner().invoke(_stage("extract"), [])  # the set is published: nothing more to write
     assert result.exit_code == 0, result.output
+    store = FeatureStore.default()
+    key = json.loads((staged / "data/extract/manifest.json").read_text())["features"]["key"]
+    store.folder(key).rename(store.partial_folder(key))  # every shard written, the set not yet published: a kill
     shutil.rmtree(staged / "data/extract")
-    line = _refused(_stage("extract"), [], "extract.shard_dir: data/extract/shards has 1.0 kB free, the shards need")
-    assert line.endswith("point extract.shard_dir at a larger disk"), line
+    result = CliRunner().invoke(_stage("extract"), [])  # the shards already written count as room
+    assert result.exit_code == 0, result.output
+    assert store.published(key) is not None and not store.partial_folder(key).exists()
+    shutil.rmtree(store.folder(key))
+    shutil.rmtree(staged / "data/extract")
+    line = _refused(
+        _stage("extract"),
+        [],
+        f"error: EXPMAN_FEATURE_STORE: the feature store {store.root} has 1.0 kB free, the shards need",
+    )
+    assert line.endswith("point EXPMAN_FEATURE_STORE at a larger disk, or free the store: expman features gc"), line
 
 
 def test_missing_extract_shard(staged: Path) -> None:
-    _shard(staged, 1).unlink()
-    culprit = "data/extract/shards/shard-00001.safetensors: shard listed in the manifest is missing"
+    shard = _shard(staged, 1)
+    shard.unlink()
+    culprit = f"{shard}: shard listed in the manifest is missing"
     _refused(_stage("train"), [], culprit)
 
 

@@ -69,7 +69,7 @@ def test_engine_none_is_recorded_as_not_measured(project: Path) -> None:
     manifest = _run_benchmark()
     result = json.loads((project / paths.BENCHMARK / "benchmark.json").read_text())
     assert "engine is none" in result["skipped"] and result["arms"] == {}
-    assert manifest["provenance"]["upstream"]["evaluate"]["manifest_sha256"]
+    assert manifest["upstream"]["evaluate"]["manifest_sha256"]
     import mlflow
 
     run_id = manifest["provenance"]["mlflow_run_id"]

@@ -155,7 +155,7 @@ def test_quality_gpu_brings_the_evaluation_back_and_adds_only_the_engine_tau(tmp
     quality_gpu = importlib.import_module("quality_gpu")
     device, here = tmp_path / "device", tmp_path / "here"
     files = {
-        "data/evaluate/manifest.json": json.dumps({"provenance": {"params": {"split": "heldout"}}}),
+        "data/evaluate/manifest.json": json.dumps({"params": {"split": "heldout"}}),
         "data/evaluate/evaluation.json": '{"prompts": [{"id": "h1"}]}',
         "data/generated/manifest.json": '{"splits": {"heldout": {}, "train": {}}}',
         "data/generated/heldout/shard-00000.jsonl": '{"id": "h1", "ok": true}\n',

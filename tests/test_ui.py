@@ -74,7 +74,7 @@ def _stage(
     """One stage execution as the stages record it: a tagged run over its inputs' manifests, its own manifest, and,
     for ``registers`` (folder, alias), a version registered inside the run; ``metrics`` logged and shown in the
     runs table as the evaluate stage does."""
-    upstream = {stage: upstream_entry(path, manifest) for stage, (path, manifest) in inputs.items()}
+    upstream = {stage: upstream_entry(path) for stage, (path, _) in inputs.items()}
     with stage_run(name, {"stage": name}, upstream) as run:
         if metrics:
             run.log_metrics(metrics)

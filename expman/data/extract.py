@@ -6,9 +6,10 @@ equals vLLM/speculators aux ids. The final state is the last decoder layer's out
 (``pre_norm``, so targets are ``lm_head(norm(h))``) or after it (``post_norm``); the contract records which.
 The verifier's top-1 token is computed here, once, by its own lm_head (in chunks of tokens, never the whole
 [T, vocab] logits): training needs it only to mask positions whose target lies outside the draft vocab, and
-computing it there would repeat a full-vocab matmul at every step of every epoch. Shards are resumable: after a
-kill, completed shards are kept and the partial one is redone. DVC tracks ``manifest.json`` (per-shard size and
-sha256), never the shards.
+computing it there would repeat a full-vocab matmul at every step of every epoch. The shards go to the feature
+store (``expman.data.features``) under a key of what determines them; a published key is read, not computed again.
+Shards are resumable: after a kill, completed shards are kept and the partial one is redone. Git tracks
+``manifest.json`` (the key, per-shard size and sha256), never the shards.
 """
 
 from __future__ import annotations
@@ -17,16 +18,18 @@ import contextlib
 import json
 import time
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from expman.data.features import STORE_VARIABLE, FeatureStore, feature_folder, feature_key
 from expman.data.generate import read_responses
 from expman.data.shards import ShardSet, disk_room, readable_size, remove_stale_temps, verify_shard
 from expman.errors import ExpmanError
 from expman.params import ExtractParams, Params
 from expman.paths import ExtractPaths
 from expman.provenance import read_manifest, sha256_json, upstream_entry
-from expman.registry.tracking import stage_run
+from expman.registry.tracking import StageRun, stage_run
 
 __all__ = [
     "CaptureHooks",
@@ -382,22 +385,22 @@ def _read_inputs(section: ExtractParams, where: ExtractPaths) -> tuple[dict, lis
     if not samples:
         raise ExpmanError(f"{where.generated / 'manifest.json'}: no usable {section.split!r} responses to extract")
     upstream = {
-        "prepare": upstream_entry(where.verifier / "manifest.json", verifier_manifest),
-        "generate": upstream_entry(where.generated / "manifest.json", generated_manifest),
+        "prepare": upstream_entry(where.verifier / "manifest.json"),
+        "generate": upstream_entry(where.generated / "manifest.json"),
     }
     return contract, records, samples, upstream
 
 
-def check_room(shard_dir: Path, tokens: int, hidden_size: int) -> None:
-    """Refuse before the verifier loads when the shards cannot fit on the disk that holds ``shard_dir``; shards
-    already there count as written (a resumed extract keeps its own)."""
-    free, existing = disk_room(shard_dir)
+def check_room(folder: Path, tokens: int, hidden_size: int) -> None:
+    """Refuse before the verifier loads when the shards cannot fit on the disk that holds the set's ``folder`` in
+    the feature store; shards already there count as written (a resumed extract keeps its own)."""
+    free, existing = disk_room(folder)
     needed = tokens * bytes_per_token(hidden_size) - existing
     if needed > free:
         raise ExpmanError(
-            f"extract.shard_dir: {shard_dir} has {readable_size(free)} free, the shards need about "
-            f"{readable_size(needed)} more ({tokens:,} tokens × {bytes_per_token(hidden_size):,} B); "
-            "point extract.shard_dir at a larger disk"
+            f"{STORE_VARIABLE}: the feature store {folder.parent} has {readable_size(free)} free, the shards need "
+            f"about {readable_size(needed)} ({tokens:,} tokens × {bytes_per_token(hidden_size):,} B); point "
+            f"{STORE_VARIABLE} at a larger disk, or free the store: expman features gc"
         )
 
 
@@ -475,47 +478,84 @@ def _engine_version(section: ExtractParams) -> str:
 
 
 def extract(params: Params, where: ExtractPaths) -> dict[str, Any]:
-    """Write shards to ``params.extract.shard_dir`` and ``where.out/manifest.json``."""
-    from tqdm import tqdm
-
+    """Publish the features of ``where.generated`` in the feature store (unless their key is published already) and
+    write ``where.out/manifest.json``, which names the key and each shard's checksum."""
     from expman.devices import precision_facts, resolve_device
 
     section = params.extract
     contract, records, samples, upstream = _read_inputs(section, where)
-    shard_dir = Path(section.shard_dir)
-    total_tokens = sum(len(s["ids"]) for s in samples)
-    check_room(shard_dir, total_tokens, contract["verifier"]["hidden_size"])
-    shards = ShardSet(shard_dir)
     device = resolve_device(section.device)
     precision = precision_facts(device, section.dtype)
-    with (
-        stage_run("extract", section.model_dump() | {"resolved": precision}, upstream) as run,
-        _shard_computer(section, contract, where, device, max(len(s["ids"]) for s in samples)) as compute,
-    ):
-        started = time.perf_counter()
-        with tqdm(total=total_tokens, desc=f"extract ({section.backend})", unit="tok", unit_scale=True) as bar:
-            entries, computed_tokens = write_shards(compute, samples, section, contract, shards, device, bar.update)
-        elapsed = time.perf_counter() - started
+    determining = section.model_dump() | {"device": device, "dtype": precision["dtype"]}
+    key = feature_key(contract, upstream, determining)
+    store = FeatureStore.default()
+    with store.using(key):
+        published = store.published(key)
+        if published is None:
+            tokens = sum(len(s["ids"]) for s in samples)
+            check_room(store.partial_folder(key), tokens, contract["verifier"]["hidden_size"])
+        with stage_run("extract", section.model_dump() | {"resolved": precision}, upstream) as run:
+            if published is None:
+                published = _compute_set(section, contract, where, device, samples, store, key, run)
+            else:
+                run.log_metrics({"features_reused": 1})
+            entries = published["shards"]
+            totals, storage = _totals(entries, samples, records, contract["verifier"]["hidden_size"])
+            run.log_metrics({**totals, **{f"storage.{k}": v for k, v in storage.items()}})
+            facts = {
+                "contract": contract,
+                "contract_sha256": sha256_json(contract),
+                "split": section.split,
+                "backend": section.backend,
+                "engine": published["engine"],
+                "precision": precision,
+                "features": {"key": key},
+                "shards": entries,
+                "totals": totals,
+                "storage": storage,
+            }
+            remove_stale_temps(where.out / "manifest.json")  # left by a kill during an earlier write
+            return run.write_manifest(where.out / "manifest.json", facts)
+
+
+def _compute_set(
+    section: ExtractParams,
+    contract: dict[str, Any],
+    where: ExtractPaths,
+    device: str,
+    samples: list[dict],
+    store: FeatureStore,
+    key: str,
+    run: StageRun,
+) -> dict[str, Any]:
+    """Compute the set ``key`` (resuming its partial folder) and publish it; its set.json. When another process
+    published it while this one waited for the key, that one's is returned and nothing is computed."""
+    from tqdm import tqdm
+
+    with store.writing(key) as shards:
+        if shards is None:
+            run.log_metrics({"features_reused": 1})
+            return store.published(key)
+        total_tokens = sum(len(s["ids"]) for s in samples)
+        with _shard_computer(section, contract, where, device, max(len(s["ids"]) for s in samples)) as compute:
+            started = time.perf_counter()
+            with tqdm(total=total_tokens, desc=f"extract ({section.backend})", unit="tok", unit_scale=True) as bar:
+                entries, computed_tokens = write_shards(compute, samples, section, contract, shards, device, bar.update)
+            elapsed = time.perf_counter() - started
         shards.remove_others({e["path"] for e in entries})
-        totals, storage = _totals(entries, samples, records, contract["verifier"]["hidden_size"])
-        metrics = {**totals, **{f"storage.{k}": v for k, v in storage.items()}}
         if computed_tokens:
-            metrics["extract_tok_per_s"] = computed_tokens / elapsed
-        run.log_metrics(metrics)
+            rate = computed_tokens / elapsed
+            run.log_metrics({"extract_tok_per_s": rate, "features_computed_tokens": computed_tokens})
         facts = {
             "contract": contract,
-            "contract_sha256": sha256_json(contract),
-            "split": section.split,
-            "backend": section.backend,
+            "verifier": read_manifest(where.verifier / "manifest.json", "prepare")["source"],
             "engine": _engine_version(section),
-            "precision": precision,
-            "shard_dir": str(shard_dir),
+            "tokens": sum(e["tokens"] for e in entries),
+            "created": datetime.now(UTC).isoformat(timespec="seconds"),
             "shards": entries,
-            "totals": totals,
-            "storage": storage,
         }
-        remove_stale_temps(where.out / "manifest.json")  # left by a kill during an earlier write
-        return run.write_manifest(where.out / "manifest.json", facts)
+        store.publish(key, shards, facts)
+        return {"key": key, **facts}
 
 
 def load_shard(manifest: dict[str, Any], index: int, verify: bool = True) -> dict[str, Any]:
@@ -523,6 +563,6 @@ def load_shard(manifest: dict[str, Any], index: int, verify: bool = True) -> dic
     from safetensors.torch import load_file
 
     entry = manifest["shards"][index]
-    folder = Path(manifest["shard_dir"])
+    folder = feature_folder(manifest)
     path = verify_shard(folder, entry) if verify else folder / entry["path"]
     return load_file(str(path))

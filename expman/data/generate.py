@@ -428,7 +428,7 @@ def generate(params: Params, where: GeneratePaths) -> dict[str, Any]:
     precision = precision_facts(resolve_device(section.device), section.dtype)
     verifier_manifest = read_manifest(where.verifier / "manifest.json", "prepare")
     conversations, copies = _read_conversations(section)
-    upstream = {"prepare": upstream_entry(where.verifier / "manifest.json", verifier_manifest)}
+    upstream = {"prepare": upstream_entry(where.verifier / "manifest.json")}
     settings = {
         "verifier_weights": verifier_manifest["verifier"]["weights_sha256"],
         "tokenizer": verifier_manifest["verifier"]["tokenizer_sha256"],

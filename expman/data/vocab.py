@@ -64,7 +64,7 @@ def vocab(params: Params, where: VocabPaths) -> dict[str, Any]:
     generated_manifest = read_manifest(where.generated / "manifest.json", "generate")
     vocab_size = generated_manifest["verifier"]["vocab_size"]
     size = draft_vocab_size(section.draft_vocab_size, vocab_size)
-    upstream = {"generate": upstream_entry(where.generated / "manifest.json", generated_manifest)}
+    upstream = {"generate": upstream_entry(where.generated / "manifest.json")}
     train = token_counts(read_responses(where.generated, "train"), vocab_size)  # shards checked before the run opens
     heldout = None
     if "heldout" in generated_manifest["splits"]:

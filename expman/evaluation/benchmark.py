@@ -90,10 +90,10 @@ def _read_inputs(section: Any, where: BenchmarkPaths) -> tuple[_Work, dict[str, 
     if missing:
         raise ExpmanError(f"benchmark.ks: {missing} were not evaluated (evaluate.ks is {evaluation['ks']})")
     upstream = {
-        "prepare": upstream_entry(where.verifier / "manifest.json", verifier_manifest),
-        "evaluate": upstream_entry(where.evaluate / "manifest.json", evaluate_manifest),
+        "prepare": upstream_entry(where.verifier / "manifest.json"),
+        "evaluate": upstream_entry(where.evaluate / "manifest.json"),
     }
-    split = evaluate_manifest["provenance"]["params"]["split"]
+    split = evaluate_manifest["params"]["split"]
     by_id = {r["id"]: r for r in read_responses(where.generated, split)}
     prompts = [by_id[row["id"]]["input_ids"][: by_id[row["id"]]["prompt_tokens"]] for row in evaluation["prompts"]]
     arms = {name: Path(arm["path"]) for name, arm in evaluation["arms"].items()}
@@ -123,13 +123,12 @@ def _measure_arm(
             "integration_fault": bool(reasons),
             "reasons": reasons,
         }
-        run.log_metrics(
-            {
-                f"{name}/k{k}/engine_tau": engine["tau"],
-                f"{name}/k{k}/engine_speedup": engine["speedup"] or 0.0,
-                f"{name}/k{k}/tau_ratio": verdict.tau_ratio_measured,
-            }
-        )
+        numbers = {
+            f"{name}/k{k}/engine_tau": engine["tau"],
+            f"{name}/k{k}/engine_speedup": engine["speedup"],
+            f"{name}/k{k}/tau_ratio": verdict.tau_ratio_measured,
+        }
+        run.log_metrics({key: value for key, value in numbers.items() if value is not None})  # not measured: absent
     entry["integration_fault"] = any(v["integration_fault"] for v in entry["k"].values())
     return entry
 
@@ -190,14 +189,18 @@ def _parity(section: Any, where: BenchmarkPaths, work: _Work, device: str, dtype
 
 
 def _summary(result: dict[str, Any]) -> dict[str, Any]:
-    """The metrics file: per arm the verdict and the engine's τ and speedup at each k."""
+    """The metrics file: per arm the verdict and the engine's τ and speedup at each k (a speedup that could not be
+    measured, with no no-speculation tokens to divide by, is left out)."""
     return {
         "engine": result["engine"],
         **({"nospec_tok_per_s": result["nospec"]["tok_per_s"]} if "nospec" in result else {}),
         **{
             name: {
                 "integration_fault": arm["integration_fault"],
-                **{f"k{k}": {x: v["engine"][x] for x in ("tau", "speedup")} for k, v in arm["k"].items()},
+                **{
+                    f"k{k}": {x: v["engine"][x] for x in ("tau", "speedup") if v["engine"][x] is not None}
+                    for k, v in arm["k"].items()
+                },
             }
             for name, arm in result["arms"].items()
         },

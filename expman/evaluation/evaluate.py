@@ -429,12 +429,13 @@ def _read_inputs(section: EvaluateParams, where: EvaluatePaths) -> tuple[dict, l
     if section.baseline:
         arm_paths = {"baseline": Path(section.baseline), **arm_paths}
     upstream = {
-        "prepare": upstream_entry(where.verifier / "manifest.json", verifier_manifest),
-        "generate": upstream_entry(where.generated / "manifest.json", generated_manifest),
+        "prepare": upstream_entry(where.verifier / "manifest.json"),
+        "generate": upstream_entry(where.generated / "manifest.json"),
     }
     for arm, path in arm_paths.items():
         stage = "train" if arm == "candidate" else "baseline"
-        upstream[arm] = upstream_entry(path / "manifest.json", read_manifest(path / "manifest.json", stage))
+        read_manifest(path / "manifest.json", stage)  # a drafter folder without its stage's manifest is refused here
+        upstream[arm] = upstream_entry(path / "manifest.json")
     return verifier_manifest, prompts, arm_paths, upstream
 
 

@@ -259,9 +259,10 @@ def _engine_note(engine: Mapping[str, Any]) -> str:
         return f"INTEGRATION FAULT in {engine['name']}: {engine['reasons']}"
     if engine["tau"] is None:
         return f"engine: {engine['name'] or 'not benchmarked'}"
+    speedup = "not measured" if engine["speedup"] is None else f"{engine['speedup']:.3f}x"
     return (
         f"engine {engine['name']}: tau {engine['tau']:.3f} ({engine['tau_ratio']:.2f}x reference), "
-        f"speedup {engine['speedup']:.3f}x, integration fault {engine['integration_fault']}"
+        f"speedup {speedup}, integration fault {engine['integration_fault']}"
     )
 
 

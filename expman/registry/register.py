@@ -22,7 +22,7 @@ from expman.paths import RegisterPaths
 from expman.provenance import read_manifest, sha256_file, upstream_entry
 from expman.registry.compare import compare, render_markdown, summary_metrics
 from expman.registry.reader import open_registry
-from expman.registry.tracking import StageRun, lineage_tags, set_version_description, stage_run
+from expman.registry.tracking import StageRun, lineage_of, run_of_manifest, set_version_description, stage_run
 from expman.registry.versions import INTEGRATION_FAULT_TAG, contract_tags, register_drafter, registered_model_name
 
 __all__ = ["describe", "engine_tags", "register"]
@@ -39,16 +39,15 @@ def _read_evaluation(path: Path) -> dict[str, Any]:
 
 def engine_tags(benchmark: dict[str, Any]) -> dict[str, str]:
     """The candidate's engine numbers and integration-fault verdict as version tags (``expman promote`` refuses
-    ``expman.integration_fault=true``)."""
+    ``expman.integration_fault`` other than ``false``); a number the engine did not measure has no tag."""
     if benchmark.get("skipped"):
         return {"expman.engine": "none", INTEGRATION_FAULT_TAG: "not measured"}
     arm = benchmark["arms"]["candidate"]
     tags = {"expman.engine": benchmark.get("engine_version") or benchmark["engine"]}
     tags[INTEGRATION_FAULT_TAG] = "true" if arm["integration_fault"] else "false"
     for k, result in arm["k"].items():
-        tags[f"expman.engine.k{k}.tau"] = f"{result['engine']['tau']:.6g}"
-        tags[f"expman.engine.k{k}.speedup"] = f"{result['engine']['speedup']:.6g}"
-        tags[f"expman.engine.k{k}.tau_ratio"] = f"{result['tau_ratio']:.6g}"
+        numbers = {**{x: result["engine"][x] for x in ("tau", "speedup")}, "tau_ratio": result["tau_ratio"]}
+        tags |= {f"expman.engine.k{k}.{name}": f"{value:.6g}" for name, value in numbers.items() if value is not None}
     reasons = sorted({reason for result in arm["k"].values() for reason in result["reasons"]})
     if reasons:
         tags[INTEGRATION_FAULT_TAG + ".reasons"] = "; ".join(reasons)[:4000]
@@ -108,7 +107,7 @@ def _check_inputs(where: RegisterPaths, manifests: dict[str, Any], evaluation: d
             f"{evaluation_path}: evaluates another drafter (candidate sha256 {evaluated}), not {where.drafter}; "
             "rerun `dvc repro evaluate`"
         )
-    measured = manifests["benchmark"]["provenance"]["upstream"]["evaluate"]["manifest_sha256"]
+    measured = manifests["benchmark"]["upstream"]["evaluate"]["manifest_sha256"]
     if measured != sha256_file(where.evaluate / "manifest.json"):
         raise ExpmanError(
             f"{where.benchmark / 'manifest.json'}: benchmarks another evaluation; rerun `dvc repro benchmark`"
@@ -118,11 +117,14 @@ def _check_inputs(where: RegisterPaths, manifests: dict[str, Any], evaluation: d
 
 def _version_tags(where: RegisterPaths, manifests: dict[str, Any], metrics: dict[str, float], benchmark: dict) -> dict:
     """Lineage, capture contract, evaluation metrics, the evaluate run and the engine verdict, as version tags."""
-    evaluate_run = manifests["evaluate"]["provenance"].get("mlflow_run_id")
+    evaluate_run = run_of_manifest(where.evaluate / "manifest.json")
     if not evaluate_run:
-        raise ExpmanError(f"{where.evaluate / 'manifest.json'}: no MLflow run id; compare could not find the results")
+        raise ExpmanError(
+            f"{where.evaluate / 'manifest.json'}: no MLflow run of the tracking store wrote it; compare could not find "
+            "the results (rerun `dvc repro -f evaluate` against this store)"
+        )
     return {
-        **lineage_tags(manifests["train"]["provenance"]["upstream"]),
+        **lineage_of(manifests["train"]["upstream"]),
         **contract_tags(manifests["train"]["contract"]),
         **{f"expman.metrics.{name}": f"{value:.6g}" for name, value in metrics.items()},
         "expman.evaluate.run_id": evaluate_run,
@@ -149,7 +151,7 @@ def register(section: RegisterParams, where: RegisterPaths) -> dict[str, Any]:
     coverage = manifests["vocab"]["metrics"]
     metrics["vocab_coverage"] = coverage.get("coverage_heldout", coverage["coverage_train"])
     tags = _version_tags(where, manifests, metrics, benchmark)
-    upstream = {stage: upstream_entry(folder / "manifest.json", manifests[stage]) for stage, folder in inputs.items()}
+    upstream = {stage: upstream_entry(folder / "manifest.json") for stage, folder in inputs.items()}
     with stage_run("register", section.model_dump(), upstream) as run:
         _log_figures(run, where.train_plots, evaluation, benchmark)
         version = register_drafter(run, where.drafter, model_name, "candidate", tags)

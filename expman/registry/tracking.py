@@ -2,9 +2,12 @@
 model registry's writes (versions, tags, aliases).
 
 Tracking URI: ``MLFLOW_TRACKING_URI`` when set, else ``sqlite:///<project>/mlflow.db`` (never ``./mlruns``);
-artifacts of the default store go to ``<project>/mlartifacts``. Each run carries the git sha, the stage, the
-DVC experiment name, the dvc.lock digest, and per upstream stage its manifest digest and run id; its
-description links to those runs, so a user can walk from any run to the runs that produced its inputs. The
+artifacts of the default store go to ``<project>/mlartifacts``. ``<project>`` is the project's main workspace
+from every workspace of it (``expman.project``): a queued or temporary DVC experiment records into the same store
+as ``dvc repro``, not into a copy deleted with its temporary folder. Each run carries the git sha, the stage, the
+DVC experiment name, the dvc.lock digest, the digest of the manifest it wrote, and per upstream stage its
+manifest digest and the run that wrote that manifest (found by the digest, from whichever workspace it ran in);
+its description links to those runs, so a user can walk from any run to the runs that produced its inputs. The
 experiment is tagged as model training, so the UI opens it on the runs table, not the GenAI overview.
 Runs and registry live in the same store: expman passes the tracking URI as the registry URI too.
 
@@ -23,6 +26,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
+from expman.project import project_root
 from expman.provenance import atomic_write_json, git_sha, provenance, sha256_file
 
 __all__ = [
@@ -31,8 +35,10 @@ __all__ = [
     "default_tracking_uri",
     "download_artifact_text",
     "download_version",
+    "lineage_of",
     "lineage_tags",
     "register_version",
+    "run_of_manifest",
     "serve_ui",
     "set_alias",
     "set_version_description",
@@ -41,6 +47,7 @@ __all__ = [
 ]
 
 DRAFTER_ARTIFACT = "drafter"  # the run artifact folder a registered version points at
+MANIFEST_TAG = "expman.manifest_sha256"  # on each stage run: the digest of the manifest it wrote
 WRITE_ATTEMPTS = 8
 CONTENDED = (  # how a write that lost a race to another writer fails, on sqlite and postgresql
     "database is locked",
@@ -69,7 +76,7 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 def default_tracking_uri(root: Path | None = None) -> str:
     """The URI expman uses: the environment's, else the project's sqlite file. Credentials in an http(s) URI
     (``http://user:password@host``) first move to MLflow's own variables, see ``_move_credentials``."""
-    root = (root or Path.cwd()).resolve()
+    root = project_root(root)
     uri = os.environ.get("MLFLOW_TRACKING_URI")
     if not uri:
         return f"sqlite:///{root / 'mlflow.db'}"
@@ -107,25 +114,35 @@ def _flatten(params: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
 class StageRun:
     """Handle on the active stage run: metrics, artifacts and the stage's manifest go through here."""
 
-    def __init__(self, run_id: str, stage: str, params: Mapping[str, Any], upstream: Mapping[str, Any]):
+    def __init__(
+        self, run_id: str, stage: str, params: Mapping[str, Any], upstream: Mapping[str, Any], runs: Mapping[str, str]
+    ):
         self.run_id = run_id
         self.stage = stage
         self.params = params
         self.upstream = upstream
+        self.upstream_runs = runs
         self._sender: Any = None  # the thread that sends metrics, started on first use, and its client
         self._client: Any = None
         self._sent: list[Any] = []
 
-    def write_manifest(self, path: Path, facts: Mapping[str, Any]) -> dict[str, Any]:
-        """Write the stage's manifest.json (facts + provenance with this run's id) atomically; log it here too."""
-        manifest = {
-            "stage": self.stage,
-            **facts,
-            "provenance": provenance(dict(self.params), dict(self.upstream), self.run_id),
-        }
+    def write_manifest(
+        self, path: Path, facts: Mapping[str, Any], recorded: Mapping[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Write the stage's manifest.json atomically: the facts, the resolved params and the upstream digests,
+        nothing that differs between two runs of the same content. The run gets the manifest, its digest (tag
+        ``MANIFEST_TAG``) and ``provenance.json``: git sha, packages, argv, run ids, and ``recorded`` (facts of this
+        run only, such as the registry version it made). Returns the manifest with that provenance under
+        ``provenance``."""
+        import mlflow
+
+        manifest = {"stage": self.stage, **facts, "params": dict(self.params), "upstream": dict(self.upstream)}
         atomic_write_json(path, manifest)
+        record = provenance(dict(self.upstream_runs), self.run_id) | dict(recorded or {})
         self.log_artifact(path)
-        return manifest
+        mlflow.log_dict(record, "provenance.json")
+        mlflow.set_tag(MANIFEST_TAG, sha256_file(path))
+        return manifest | {"provenance": record}
 
     def show_columns(self, metrics: Sequence[str]) -> None:
         """Add ``metrics`` to the columns of the runs table ``expman ui`` opens (``TABLE_VIEW``)."""
@@ -214,14 +231,55 @@ def _run_link(client: Any, run_id: str) -> str:
     return f"[{info.run_name or run_id}](#/experiments/{info.experiment_id}/runs/{run_id})"
 
 
-def lineage_tags(upstream: Mapping[str, Mapping[str, str]]) -> dict[str, str]:
+def lineage_tags(upstream: Mapping[str, Mapping[str, str]], runs: Mapping[str, str]) -> dict[str, str]:
     """Per input stage, the digest of its manifest and the run that wrote it, as tags (runs and versions alike)."""
     tags = {}
     for name, entry in upstream.items():
         tags[f"expman.upstream.{name}.manifest_sha256"] = entry["manifest_sha256"]
-        if entry.get("mlflow_run_id"):
-            tags[f"expman.upstream.{name}.run_id"] = entry["mlflow_run_id"]
+        if runs.get(name):
+            tags[f"expman.upstream.{name}.run_id"] = runs[name]
     return tags
+
+
+def _run_of_digest(client: Any, stage: str, digest: str) -> str | None:
+    """The latest finished run of ``stage`` that wrote a manifest with this digest, in this store."""
+    runs = client.search_runs(
+        [e.experiment_id for e in client.search_experiments()],
+        filter_string=f"tags.`{MANIFEST_TAG}` = '{digest}' and tags.`expman.stage` = '{stage}'"
+        " and attributes.status = 'FINISHED'",
+        order_by=["attributes.start_time DESC"],
+        max_results=1,
+    )
+    return runs[0].info.run_id if runs else None
+
+
+def upstream_runs(client: Any, upstream: Mapping[str, Mapping[str, str]]) -> dict[str, str]:
+    """Per input stage, the run that wrote the manifest the stage read (where this store has one)."""
+    found = {}
+    for name, entry in upstream.items():
+        manifest = Path(entry["manifest"])
+        stage = json.loads(manifest.read_text()).get("stage") if manifest.is_file() else None
+        run_id = _run_of_digest(client, stage, entry["manifest_sha256"]) if stage else None
+        if run_id:
+            found[name] = run_id
+    return found
+
+
+def lineage_of(upstream: Mapping[str, Mapping[str, str]]) -> dict[str, str]:
+    """``lineage_tags`` of ``upstream``, its runs looked up in the project's store."""
+    from mlflow import MlflowClient
+
+    with _store(default_tracking_uri()):
+        return lineage_tags(upstream, upstream_runs(MlflowClient(), upstream))
+
+
+def run_of_manifest(path: Path) -> str | None:
+    """The run that wrote the manifest at ``path`` (its stage and digest), in the project's store."""
+    from mlflow import MlflowClient
+
+    stage = json.loads(path.read_text()).get("stage")
+    with _store(default_tracking_uri()):
+        return _run_of_digest(MlflowClient(), stage, sha256_file(path))
 
 
 @contextmanager
@@ -251,28 +309,28 @@ def stage_run(stage: str, params: Mapping[str, Any], upstream: Mapping[str, Mapp
     import mlflow
     from mlflow import MlflowClient
 
-    root = Path.cwd().resolve()
+    workspace = Path.cwd().resolve()
+    root = project_root(workspace)
     uri = default_tracking_uri(root)
     with _store(uri):
         client = MlflowClient()
         experiment_id = _experiment_id(client, os.environ.get("MLFLOW_EXPERIMENT_NAME", "expman"), uri, root)
-        sha = git_sha(root)
+        runs = upstream_runs(client, upstream)
+        sha = git_sha(workspace)
         tags = {"expman.stage": stage, "git.sha": sha, "mlflow.source.git.commit": sha}
         for env, tag in (("DVC_EXP_NAME", "dvc.exp_name"), ("DVC_EXP_BASELINE_REV", "dvc.baseline_rev")):
             if os.environ.get(env):
                 tags[tag] = os.environ[env]
-        if (root / "dvc.lock").is_file():
-            tags["dvc.lock.sha256"] = sha256_file(root / "dvc.lock")
-        tags.update(lineage_tags(upstream))
+        if (workspace / "dvc.lock").is_file():
+            tags["dvc.lock.sha256"] = sha256_file(workspace / "dvc.lock")
+        tags.update(lineage_tags(upstream, runs))
         lines = [f"expman stage **{stage}**."]
-        for name, entry in upstream.items():
-            if entry.get("mlflow_run_id"):
-                lines.append(f"- input from {name}: {_run_link(client, entry['mlflow_run_id'])}")
+        lines += [f"- input from {name}: {_run_link(client, run_id)}" for name, run_id in runs.items()]
         tags["mlflow.note.content"] = "\n".join(lines)
         run_name = f"{os.environ['DVC_EXP_NAME']}/{stage}" if os.environ.get("DVC_EXP_NAME") else stage
         with mlflow.start_run(experiment_id=experiment_id, run_name=run_name, tags=tags) as run:
             mlflow.log_params(_flatten(params))
-            handle = StageRun(run.info.run_id, stage, params, upstream)
+            handle = StageRun(run.info.run_id, stage, params, upstream, runs)
             try:
                 yield handle
             finally:
@@ -296,7 +354,7 @@ def serve_ui(host: str, port: int) -> None:
     parent is left to outlive it); MLflow's background job workers stay off unless the user turns them on."""
     import sys
 
-    root = Path.cwd().resolve()
+    root = project_root()
     uri = default_tracking_uri(root)
     _print_table_link(uri, host, port)
     command = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri]

@@ -133,7 +133,7 @@ def register_drafter(
                 shutil.copyfile(drafter_dir / name, folder / name)
         write_eagle(config, tensors, folder / "eagle", "vllm")
         version_tags = {
-            **lineage_tags(run.upstream),
+            **lineage_tags(run.upstream, run.upstream_runs),
             "git.sha": git_sha(),
             DRAFTER_SHA_TAG: sha256_file(folder / "model.safetensors"),
             **tags,

@@ -30,7 +30,7 @@ def _registrar(verifier_manifest: dict[str, Any], contract: dict[str, Any] | Non
         name = registered_model_name(verifier_manifest)
         tags = {"expman.role": "baseline", **(contract_tags(contract) if contract else {}), **extra}
         version = register_drafter(run, folder, name, "baseline", tags)
-        return {"registered": {"name": name, "version": version, "alias": "baseline"}}
+        return {"registered": {"name": name, "version": version, "alias": "baseline"}}  # the run's, not the data's
 
     return finish
 
@@ -57,7 +57,7 @@ def _import(params: Params, where: TrainPaths) -> dict[str, Any]:
         notes.append(  # evaluable (the evaluator feeds its own ids), but train cannot finetune from it
             f"aux_layer_ids {list(drafter.config.aux_layer_ids)} differ from the features' {contract['aux_layers']}"
         )
-    upstream = {"prepare": upstream_entry(verifier_dir / "manifest.json", verifier_manifest)}
+    upstream = {"prepare": upstream_entry(verifier_dir / "manifest.json")}
     upstream["source"] = {"manifest": str(source), "manifest_sha256": sha256_file(next(source.glob("*.safetensors")))}
     with stage_run("baseline", section.model_dump(), upstream) as run:
         save_speculators(drafter, out_dir, str(verifier_dir), [facts["architecture"]], speculative_tokens=3)
@@ -65,7 +65,8 @@ def _import(params: Params, where: TrainPaths) -> dict[str, Any]:
         atomic_write_json(where.metrics, {"imported_from": str(source), "contract_notes": notes})
         return run.write_manifest(
             out_dir / "manifest.json",
-            {"source": str(source), "contract_notes": notes, "contract": contract, **registered},
+            {"source": str(source), "contract_notes": notes, "contract": contract},
+            registered,
         )
 
 

@@ -26,12 +26,12 @@ import threading
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from expman.data.extract import TENSORS, load_shard
+from expman.data.features import FeatureStore, feature_folder
 from expman.drafter.objective import Packed
 from expman.errors import ExpmanError
 
@@ -65,7 +65,7 @@ def index_samples(manifest: dict[str, Any]) -> list[SampleRef]:
     from safetensors import SafetensorError, safe_open
 
     refs = []
-    folder = Path(manifest["shard_dir"])
+    folder = feature_folder(manifest)
     for shard, entry in enumerate(manifest["shards"]):
         path = folder / entry["path"]
         if not path.is_file():
@@ -140,6 +140,8 @@ class ShardReader:
 
     def __init__(self, manifest: dict[str, Any], threads: int | None = None):
         self.manifest = manifest
+        self.in_use = FeatureStore.default().using(manifest["features"]["key"])  # gc leaves a set being read
+        self.in_use.__enter__()
         self.verified: set[int] = set()
         self.pool = ThreadPoolExecutor(threads or reader_threads(), thread_name_prefix="shard-reader")
 
@@ -154,6 +156,7 @@ class ShardReader:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
+        self.in_use.__exit__(None, None, None)
 
 
 def _document(tensors: dict[str, torch.Tensor], ref: SampleRef, max_tokens: int) -> dict[str, torch.Tensor]:

@@ -286,7 +286,7 @@ def _read_inputs(section: TrainParams, where: TrainPaths, sample_share: float) -
     train_refs, val_refs = split_samples(index_samples(extract_manifest), section.val_fraction, sample_share, prompt_id)
     if not train_refs:
         raise ExpmanError(f"{where.extract / 'manifest.json'}: no training samples left after the validation split")
-    upstream = {name: upstream_entry(path, manifest) for name, (path, manifest) in manifests.items()}
+    upstream = {name: upstream_entry(path) for name, (path, _) in manifests.items()}
     return _Inputs(manifests["prepare"][1], extract_manifest, train_refs, val_refs, upstream)
 
 
@@ -345,7 +345,8 @@ def _write_outputs(
     where: TrainPaths,
     finish: Callable[[StageRun, Path], dict[str, Any]] | None,
 ) -> dict[str, Any]:
-    """The checkpoint, held-out metrics, plot tables and figure; ``finish``'s facts; the manifest."""
+    """The checkpoint, held-out metrics, plot tables and figure; the manifest, with what ``finish`` returns recorded in
+    the run's provenance."""
     section = loop.section
     save_speculators(
         drafter.cpu(),
@@ -366,9 +367,8 @@ def _write_outputs(
     if loop.peak_gib is not None:  # what each GPU had to hold: the number that says whether FSDP is needed
         facts["gpu_peak_gib"] = loop.peak_gib
         run.log_metrics({f"gpu{rank}/peak_gib": gib for rank, gib in enumerate(loop.peak_gib)})
-    if finish is not None:
-        facts.update(finish(run, where.out))
-    return run.write_manifest(where.out / "manifest.json", facts)
+    recorded = finish(run, where.out) if finish is not None else None
+    return run.write_manifest(where.out / "manifest.json", facts, recorded)
 
 
 def train(
@@ -384,7 +384,7 @@ def train(
     logs the curves as the figure ``figures/train.png``.
 
     The baseline stage reuses this with its own ``stage`` name, a ``sample_share`` of the training samples and a
-    ``finish`` step (registration) that runs inside the same MLflow run and adds facts to the manifest."""
+    ``finish`` step (registration) that runs inside the same MLflow run and records facts in its provenance."""
 
     inputs = _read_inputs(section, where, sample_share)
     device = resolve_device(section.device)
