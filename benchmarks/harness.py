@@ -5,8 +5,10 @@
   platform and Python; every report records them, so a result says where it was measured.
 - Timing: ``elapsed`` (one call, CUDA synchronized around it) and ``timed`` (warm-up calls, then timed ones:
   median and every sample), so that no script times queued GPU work by mistake.
-- The report: ``header`` (the keys a result opens with) and ``write_report``, which adds the machine facts and
-  package versions, writes the JSON atomically (a killed or failed run leaves no partial file) and prints it.
+- The report: ``header`` (the keys a result opens with) and ``write_report``, which adds the commit (and whether the
+  tree was dirty), the date, the machine facts and package versions, writes the JSON atomically (a killed or failed
+  run leaves no partial file) and prints it. ``provenance_missing`` names what a result lacks of these: a result that
+  cannot be regenerated says so under ``provenance: incomplete`` (tests/test_results.py checks every committed one).
 - ``greedy_equality``: greedy mismatches read off an evaluation, for the scripts that run the evaluate stage.
 
 torch is imported inside the functions that need it: compare_scale and kill_trials time other processes.
@@ -19,10 +21,12 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -104,10 +108,62 @@ def machine_facts() -> dict[str, Any]:
     }
 
 
+REPO = Path(__file__).resolve().parents[1]
+
+
+def git_state(repo: Path = REPO) -> dict[str, Any]:
+    """``git_commit`` (HEAD of the checkout holding this harness) and ``git_dirty`` (tracked files differ from it),
+    so a result names the code that measured it. Where the tree is no git checkout (a device machine's copy), the
+    commit is ``BENCH_GIT_COMMIT`` from the environment, or None, and ``git_dirty`` None: unknown, never guessed."""
+    try:
+        top, commit = subprocess.run(
+            ["git", "rev-parse", "--show-toplevel", "HEAD"], cwd=repo, capture_output=True, text=True, check=True
+        ).stdout.split()
+        if Path(top).resolve() != repo.resolve():  # a copy of the tree inside another repository
+            raise ValueError(top)
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo, capture_output=True, text=True
+        )
+    except (OSError, ValueError, subprocess.CalledProcessError):
+        return {"git_commit": os.environ.get("BENCH_GIT_COMMIT") or None, "git_dirty": None}
+    return {"git_commit": commit, "git_dirty": bool(status.stdout.strip()) if status.returncode == 0 else None}
+
+
+def utc_now() -> str:
+    """The date and time, ISO 8601 in UTC to the second: when a report was written."""
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def calls_seconds(calls: Any) -> float | None:
+    """The seconds of a script's device calls summed by its own clock (rows of ``calls`` with ``seconds``), beside
+    any ``device_seconds`` typed on the command line; None where the report holds no such rows."""
+    if not isinstance(calls, list) or not calls or not all(isinstance(c, dict) and "seconds" in c for c in calls):
+        return None
+    return sum(float(c["seconds"]) for c in calls)
+
+
+PROVENANCE_KEYS = ("commit", "command", "date", "machine.cpu", "machine.cpu_flags", "packages")
+
+
+def provenance_missing(report: dict[str, Any]) -> list[str]:
+    """Which of PROVENANCE_KEYS a result lacks (commit is ``git_commit`` or ``commit``, command may be ``commands``;
+    an empty or null value counts as missing): a result lacking any cannot be traced to the code and machine."""
+    machine = report.get("machine") if isinstance(report.get("machine"), dict) else {}
+    present = {
+        "commit": bool(report.get("git_commit") or report.get("commit")),
+        "command": bool(report.get("command") or report.get("commands")),
+        "date": bool(report.get("date")),
+        "machine.cpu": isinstance(machine.get("cpu"), str) and bool(machine["cpu"]),
+        "machine.cpu_flags": isinstance(machine.get("cpu_flags"), list),
+        "packages": isinstance(report.get("packages"), dict) and bool(report["packages"]),
+    }
+    return [key for key in PROVENANCE_KEYS if not present[key]]
+
+
 def header(benchmark: str, device: str | None = None) -> dict[str, Any]:
-    """The keys a report opens with: the benchmark, the command that ran it and, given the device measured on,
-    that device's name and torch's CPU threads."""
-    head: dict[str, Any] = {"benchmark": benchmark, "command": "python " + " ".join(sys.argv)}
+    """The keys a report opens with: the benchmark, the command that ran it, the commit it ran at and, given the
+    device measured on, that device's name and torch's CPU threads."""
+    head: dict[str, Any] = {"benchmark": benchmark, "command": "python " + " ".join(sys.argv), **git_state()}
     if device is not None:
         import torch
 
@@ -199,10 +255,19 @@ def arm_key(done: dict[str, Any], arm: str) -> str:
 
 
 def write_report(path: Path | None, report: dict[str, Any], *, machine: bool = True) -> None:
-    """Print the result JSON and write it to ``path`` (if given) atomically. With ``machine`` it records this
-    machine's facts and package versions (torch, transformers, ...; beside any others the report names): leave it
-    off only for a report made away from the machine that measured."""
+    """Print the result JSON and write it to ``path`` (if given) atomically, with what says where it came from: the
+    command line, commit, dirty flag and date (ISO UTC), the summed seconds of its device ``calls`` if it has any
+    and, with ``machine``, this machine's facts and package versions (torch, transformers, ...; beside any others the
+    report names). Leave ``machine`` off only for a report made away from the machine that measured: then the
+    commit and date it already holds (the measuring run's) are kept, and this run's fill in only what is absent."""
     full = dict(report)
+    full.setdefault("command", "python " + " ".join(sys.argv))
+    stamp = git_state() | {"date": utc_now()}
+    for key, value in stamp.items():
+        if machine or full.get(key) is None:
+            full[key] = value
+    if (seconds := calls_seconds(full.get("calls"))) is not None:
+        full["device_call_seconds"] = seconds
     if machine:
         full["packages"] = full.get("packages", {}) | package_versions()
         full["machine"] = machine_facts()
