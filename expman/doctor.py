@@ -5,7 +5,8 @@ EngineCore whose stage died) can hold 81 GB until someone kills it. Disk: free s
 the extract stage's storage estimate. Features: the set the extract manifest names is in the feature store (in a
 teammate's clone after ``dvc pull`` it is not, unless they share the store). Contract: the capture contract of
 the extract manifest against the verifier, the drafter checkpoints and the registered baseline / candidate /
-champion. Versions: engine, libraries and CUDA. The doctor only reads: it kills and changes nothing, and imports neither vllm nor mlflow.
+champion. Versions: engine, libraries and CUDA. The doctor only reads: it kills and changes nothing, and imports
+neither vllm nor mlflow.
 """
 
 from __future__ import annotations

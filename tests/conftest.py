@@ -29,9 +29,9 @@ TRACKING_VARIABLES = ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI", "EXPMAN_FEAT
 
 @pytest.fixture(autouse=True)
 def _no_tracking_store_across_tests() -> Iterator[None]:
-    """No test inherits another's MLflow store (nor a feature store set in the environment): ``mlflow.set_tracking_uri`` (which tests call to read a project's
-    runs) exports ``MLFLOW_TRACKING_URI`` to the whole process, and a later test's stages would then write to that
-    project's store, whose folder pytest may have removed."""
+    """No test inherits another's MLflow store (nor a feature store set in the environment): ``mlflow.set_tracking_uri``
+    (which tests call to read a project's runs) exports ``MLFLOW_TRACKING_URI`` to the whole process, and a later test's
+    stages would then write to that project's store, whose folder pytest may have removed."""
     for name in TRACKING_VARIABLES:
         os.environ.pop(name, None)
     yield
