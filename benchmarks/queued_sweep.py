@@ -3,10 +3,12 @@
 Per commit: a fresh clone of this repository at that commit; README command 1's ``dvc repro`` (timed per stage from
 the stage runs' start and end, read from the MLflow store of the clone: the workspace run); commit its lock and
 outputs; then ``dvc exp run --queue -S train.lr=<lr>`` per point and ``dvc queue start -j <jobs>``, polled until the
-queue is empty. Per experiment: seconds from the previous one's end (with ``-j 1``) to its end, the stages it ran
-(``dvc queue logs``), and the bytes of feature shards written during it, in DVC's temporary workspaces and in the
-feature store. The goal it checks: each experiment costs at most 1.1x the sum of the workspace run's train, evaluate,
-benchmark and register stages, runs no stage upstream of train and writes 0 bytes of features.
+queue is empty. Per experiment: seconds from the previous one's end (with ``-j 1``) to its end (when DVC writes its
+``refs/exps/.../<name>`` ref), the stages it ran (``dvc queue logs``), and the bytes of feature shards written during
+the sweep, in DVC's temporary workspaces and in the feature store. The script polls git refs and the file system
+only: ``dvc queue status`` waits for the running experiment's lock, so it cannot time one. The goal it checks: each
+experiment costs at most 1.1x the sum of the workspace run's train, evaluate, benchmark and register stages, runs no
+stage upstream of train and writes 0 bytes of features.
 
 The clone runs its own code: ``PYTHONPATH`` puts the clone ahead of this venv's editable expman.
 
@@ -30,6 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 GRAPH = ("prepare", "generate", "extract", "vocab", "baseline", "train", "evaluate", "benchmark", "register")
 DOWNSTREAM = ("train", "evaluate", "benchmark", "register")
 RUNNING = re.compile(r"Running stage '(\w+)'")
+SWEEP_TIMEOUT = 3 * 3600
 
 
 def _env(clone: Path) -> dict[str, str]:
@@ -65,7 +68,7 @@ def _stage_seconds(clone: Path) -> dict[str, float]:
 def _shard_bytes(clone: Path) -> dict[str, int]:
     """Bytes of safetensors shards per place they can be written: each temporary workspace, and the feature store."""
     found: dict[str, int] = {}
-    places = [*(clone / ".dvc/tmp/exps").glob("*/*"), *(clone / ".dvc/tmp/exps").glob("*"), clone / ".expman"]
+    places = [*(clone / ".dvc/tmp/exps").glob("tmp*"), clone / ".expman"]
     for place in places:
         if place.is_dir():
             found[str(place)] = sum(p.stat().st_size for p in place.rglob("*.safetensors") if "verifier" not in p.parts)
@@ -90,20 +93,17 @@ def sweep(rev: str, work: Path, rates: list[str], jobs: int) -> dict:
     started = time.monotonic()
     _dvc(clone, "queue", "start", "-j", str(jobs))
     finished: dict[str, float] = {}
-    states: dict[str, str] = {}
     written: dict[str, int] = {}
-    while True:
-        status = _dvc(clone, "queue", "status")
+    while len(finished) < len(names) and time.monotonic() - started < SWEEP_TIMEOUT:
+        refs = _run(["git", "for-each-ref", "--format=%(refname)", "refs/exps"], clone).split()
         for name in names:
-            line = next((row for row in status.splitlines() if f" {name} " in f" {row} "), "")
-            states[name] = line
-            if name not in finished and ("Success" in line or "Failed" in line):
+            if name not in finished and any(ref.endswith(f"/{name}") for ref in refs):
                 finished[name] = time.monotonic() - started
         for place, size in _shard_bytes(clone).items():
             written[place] = max(written.get(place, 0), size)
-        if len(finished) == len(names) or not any(s in status for s in ("Queued", "Running")):
-            break
-        time.sleep(2)
+        time.sleep(1)
+    status = _dvc(clone, "queue", "status")
+    states = {name: next((row for row in status.splitlines() if f" {name} " in f" {row} "), "") for name in names}
     written[str(clone / ".expman")] = written.get(str(clone / ".expman"), 0) - store_before
     experiments = {}
     previous = 0.0
