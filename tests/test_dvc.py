@@ -120,6 +120,8 @@ def test_an_experiment_resumes_generate_after_dvc_deleted_it(tmp_path: Path, tin
     _run([*DVC, "exp", "run", "generate"], project)
     first = (project / "data/generated/manifest.json").read_text()
     (project / "dvc.lock").unlink()
+    # a killed run leaves no run-cache entry either; with one, DVC restores the outputs without running the stage
+    shutil.rmtree(project / ".dvc/cache/runs")
     again = _run([*DVC, "exp", "run", "generate"], project)
     assert "Running stage 'generate'" in again.stdout and "It won't be created" in again.stderr  # DVC deleted it
     assert "self prompts" not in again.stderr
