@@ -558,11 +558,12 @@ def _compute_set(
         return {"key": key, **facts}
 
 
-def load_shard(manifest: dict[str, Any], index: int, verify: bool = True) -> dict[str, Any]:
-    """Tensors of one shard listed in an extract manifest, checksum-verified first."""
+def load_shard(manifest: dict[str, Any], index: int, verify: bool = True, folder: Path | None = None) -> dict[str, Any]:
+    """Tensors of one shard listed in an extract manifest, checksum-verified first. ``folder``: the set's folder when
+    the caller resolved it already (a reader of many shards resolves it once)."""
     from safetensors.torch import load_file
 
     entry = manifest["shards"][index]
-    folder = feature_folder(manifest)
+    folder = folder or feature_folder(manifest)
     path = verify_shard(folder, entry) if verify else folder / entry["path"]
     return load_file(str(path))

@@ -133,7 +133,7 @@ def feature_folder(manifest: dict[str, Any]) -> Path:
     """The folder of the set an extract manifest names; a set the store lacks is an error that says how to get it."""
     key = manifest["features"]["key"]
     store = FeatureStore.default()
-    if store.published(key) is None:
+    if not (store.folder(key) / SET_FILE).is_file():
         raise ExpmanError(
             f"features {key}: not in the feature store {store.root} (set {STORE_VARIABLE} to the store that has "
             "them, or compute them again: dvc repro -f extract)"

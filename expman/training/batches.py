@@ -142,6 +142,7 @@ class ShardReader:
         self.manifest = manifest
         self.in_use = FeatureStore.default().using(manifest["features"]["key"])  # gc leaves a set being read
         self.in_use.__enter__()
+        self.folder = feature_folder(manifest)
         self.verified: set[int] = set()
         self.pool = ThreadPoolExecutor(threads or reader_threads(), thread_name_prefix="shard-reader")
 
@@ -150,7 +151,7 @@ class ShardReader:
         return self.pool.submit(self._load, shard)
 
     def _load(self, shard: int) -> dict[str, torch.Tensor]:
-        tensors = load_shard(self.manifest, shard, verify=shard not in self.verified)
+        tensors = load_shard(self.manifest, shard, verify=shard not in self.verified, folder=self.folder)
         self.verified.add(shard)
         return tensors
 
