@@ -1,14 +1,15 @@
 """A queued sweep as DVC users run it, on the default graph, at two commits in one run (before and after a change).
 
-Per commit: a fresh clone of this repository at that commit; README command 1's ``dvc repro`` (timed per stage from
-the stage runs' start and end, read from the MLflow store of the clone: the workspace run); commit its lock and
+Per commit: a fresh clone of this repository at that commit; README command 1's ``dvc repro``, each stage timed as
+DVC runs it (from its ``Running stage`` line to the next one, or to the end: the stage's process start-up, its work,
+and DVC hashing and caching its outputs), and its MLflow run's span read from the clone's store; commit its lock and
 outputs; then ``dvc exp run --queue -S train.lr=<lr>`` per point and ``dvc queue start -j <jobs>``, polled until the
-queue is empty. Per experiment: seconds from the previous one's end (with ``-j 1``) to its end (when DVC writes its
-``refs/exps/.../<name>`` ref), the stages it ran (``dvc queue logs``), and the bytes of feature shards written during
-the sweep, in DVC's temporary workspaces and in the feature store. The script polls git refs and the file system
-only: ``dvc queue status`` waits for the running experiment's lock, so it cannot time one. The goal it checks: each
-experiment costs at most 1.1x the sum of the workspace run's train, evaluate, benchmark and register stages, runs no
-stage upstream of train and writes 0 bytes of features.
+queue is empty. Per experiment: the seconds DVC's queue worker reports for it (``run_exp[...] succeeded in``: the
+temporary workspace's set-up, every stage, collecting the result), the share of the queue's own start-up and
+shut-down, the stages it ran (``dvc queue logs``), its MLflow runs' spans, and the bytes of feature shards written
+during the sweep, in DVC's temporary workspaces and in the feature store. The goal it checks: each experiment costs
+at most 1.1x the sum of the workspace run's train, evaluate, benchmark and register stages timed the same way, runs no
+stage upstream of train and writes 0 bytes of features; the ratio to the stages' MLflow spans alone is reported too.
 
 The clone runs its own code: ``PYTHONPATH`` puts the clone ahead of this venv's editable expman.
 
@@ -23,7 +24,10 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections import deque
+from datetime import datetime
 from pathlib import Path
+from subprocess import PIPE, STDOUT
 
 import click
 from harness import header, write_report
@@ -32,12 +36,17 @@ REPO = Path(__file__).resolve().parents[1]
 GRAPH = ("prepare", "generate", "extract", "vocab", "baseline", "train", "evaluate", "benchmark", "register")
 DOWNSTREAM = ("train", "evaluate", "benchmark", "register")
 RUNNING = re.compile(r"Running stage '(\w+)'")
+WORKER_LINE = re.compile(
+    r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}): .*run_exp\[([0-9a-f-]+)\] (received|succeeded in ([0-9.]+)s)"
+)
 SWEEP_TIMEOUT = 3 * 3600
+GOAL = 1.1
 
 
 def _env(clone: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "EXPMAN_", "DVC_"))}
     env["PYTHONPATH"] = str(clone)
+    env["PYTHONUNBUFFERED"] = "1"
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
     for role in ("AUTHOR", "COMMITTER"):
         env[f"GIT_{role}_NAME"], env[f"GIT_{role}_EMAIL"] = "bench", "bench@example.com"
@@ -55,14 +64,52 @@ def _dvc(clone: Path, *args: str) -> str:
     return _run([sys.executable, "-m", "dvc", *args], clone)
 
 
-def _stage_seconds(clone: Path) -> dict[str, float]:
-    """Seconds of each stage run in the clone's own MLflow store (the workspace run)."""
+def _timed_repro(clone: Path) -> tuple[float, dict[str, float]]:
+    """``dvc repro``'s seconds, and each stage's as DVC runs it: from its ``Running stage`` line to the next."""
+    marks: list[tuple[str, float]] = []
+    tail: deque[str] = deque(maxlen=100)
+    started = time.monotonic()
+    command = [sys.executable, "-m", "dvc", "repro"]
+    with subprocess.Popen(command, cwd=clone, env=_env(clone), stdout=PIPE, stderr=STDOUT, text=True) as process:
+        for line in process.stdout:
+            tail.append(line)
+            if match := RUNNING.search(line):
+                marks.append((match.group(1), time.monotonic()))
+    ended = time.monotonic()
+    if process.returncode:
+        raise click.ClickException(f"dvc repro failed in {clone}:\n{''.join(tail)}")
+    ends = [at for _, at in marks[1:]] + [ended] * bool(marks)
+    return ended - started, {stage: end - start for (stage, start), end in zip(marks, ends, strict=True)}
+
+
+def _stage_spans(clone: Path) -> dict[str | None, dict[str, float]]:
+    """Seconds of each stage's MLflow run in the clone's store, by DVC experiment name (None: the workspace run)."""
     with sqlite3.connect(clone / "mlflow.db") as db:
         rows = db.execute(
-            "select t.value, r.start_time, r.end_time from runs r join tags t on t.run_uuid = r.run_uuid "
-            "where t.key = 'expman.stage'"
+            "select s.value, e.value, r.start_time, r.end_time from runs r "
+            "join tags s on s.run_uuid = r.run_uuid and s.key = 'expman.stage' "
+            "left join tags e on e.run_uuid = r.run_uuid and e.key = 'dvc.exp_name'"
         ).fetchall()
-    return {stage: (end - start) / 1000 for stage, start, end in rows}
+    spans: dict[str | None, dict[str, float]] = {}
+    for stage, experiment, start, end in rows:
+        spans.setdefault(experiment, {})[stage] = (end - start) / 1000
+    return spans
+
+
+def _worker_tasks(clone: Path) -> list[dict[str, float]]:
+    """DVC's queue workers' experiment tasks from their logs: when each was received and how long it ran, in order."""
+    tasks: dict[str, dict[str, float]] = {}
+    for log in sorted((clone / ".dvc/tmp/exps/celery").glob("dvc-exp-worker-*.out")):
+        for line in log.read_text(errors="replace").splitlines():
+            if match := WORKER_LINE.match(line):
+                stamp, millis, task, event, seconds = match.groups()
+                at = datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S").timestamp() + int(millis) / 1000
+                entry = tasks.setdefault(task, {})
+                if event == "received":
+                    entry["received"] = at
+                else:
+                    entry["seconds"] = float(seconds)
+    return sorted(tasks.values(), key=lambda entry: entry.get("received", 0.0))
 
 
 def _shard_bytes(clone: Path) -> dict[str, int]:
@@ -75,59 +122,68 @@ def _shard_bytes(clone: Path) -> dict[str, int]:
     return found
 
 
+def _run_queue(clone: Path, names: list[str], jobs: int) -> tuple[float, dict[str, int]]:
+    """``dvc queue start -j JOBS``, polled (git refs, the file system) until every experiment has its ref."""
+    started = time.monotonic()
+    _dvc(clone, "queue", "start", "-j", str(jobs))
+    written: dict[str, int] = {}
+    finished: set[str] = set()
+    while len(finished) < len(names) and time.monotonic() - started < SWEEP_TIMEOUT:
+        refs = _run(["git", "for-each-ref", "--format=%(refname)", "refs/exps"], clone).split()
+        finished |= {name for name in names if any(ref.endswith(f"/{name}") for ref in refs)}
+        for place, size in _shard_bytes(clone).items():
+            written[place] = max(written.get(place, 0), size)
+        time.sleep(1)
+    return time.monotonic() - started, written
+
+
 def sweep(rev: str, work: Path, rates: list[str], jobs: int) -> dict:
     clone = work / rev
     subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True)
     _run(["git", "checkout", "-q", rev], clone)
     sha = _run(["git", "rev-parse", "HEAD"], clone).strip()
-    started = time.monotonic()
-    _dvc(clone, "repro")
-    repro_seconds = time.monotonic() - started
-    stages = _stage_seconds(clone)
+    repro_seconds, stage_seconds = _timed_repro(clone)
+    workspace_spans = _stage_spans(clone).get(None, {})
     _run(["git", "add", "-A"], clone)
     _run(["git", "commit", "-qm", "workspace run"], clone)
     store_before = _shard_bytes(clone).get(str(clone / ".expman"), 0)
     names = [f"lr-{n}" for n in range(1, len(rates) + 1)]
     for name, rate in zip(names, rates, strict=True):
         _dvc(clone, "exp", "run", "--queue", "-S", f"train.lr={rate}", "-n", name)
-    started = time.monotonic()
-    _dvc(clone, "queue", "start", "-j", str(jobs))
-    finished: dict[str, float] = {}
-    written: dict[str, int] = {}
-    while len(finished) < len(names) and time.monotonic() - started < SWEEP_TIMEOUT:
-        refs = _run(["git", "for-each-ref", "--format=%(refname)", "refs/exps"], clone).split()
-        for name in names:
-            if name not in finished and any(ref.endswith(f"/{name}") for ref in refs):
-                finished[name] = time.monotonic() - started
-        for place, size in _shard_bytes(clone).items():
-            written[place] = max(written.get(place, 0), size)
-        time.sleep(1)
-    status = _dvc(clone, "queue", "status")
-    states = {name: next((row for row in status.splitlines() if f" {name} " in f" {row} "), "") for name in names}
+    sweep_seconds, written = _run_queue(clone, names, jobs)
     written[str(clone / ".expman")] = written.get(str(clone / ".expman"), 0) - store_before
-    experiments = {}
-    previous = 0.0
-    for name in names:
-        log = _dvc(clone, "queue", "logs", name)
-        ran = RUNNING.findall(log)
-        experiments[name] = {
-            "seconds": finished.get(name, float("nan")) - previous,
-            "stages_run": ran,
-            "succeeded": "Success" in states.get(name, ""),
-        }
-        previous = finished.get(name, previous)
-    budget = 1.1 * sum(stages.get(stage, 0.0) for stage in DOWNSTREAM)
     features_written = sum(written.values())
-    for result in experiments.values():
-        result["within_goal"] = (
-            result["seconds"] <= budget and not set(result["stages_run"]) & set(GRAPH[:5]) and features_written == 0
-        )
+    status = _dvc(clone, "queue", "status")
+    tasks = _worker_tasks(clone)
+    spans = _stage_spans(clone)
+    queue_share = (sweep_seconds - sum(task.get("seconds", 0.0) for task in tasks)) / len(names)
+    budget = GOAL * sum(stage_seconds.get(stage, 0.0) for stage in DOWNSTREAM)
+    span_budget = sum(workspace_spans.get(stage, 0.0) for stage in DOWNSTREAM)
+    experiments = {}
+    for name, task in zip(names, tasks, strict=False):  # the queue runs experiments in the order they were queued
+        ran = RUNNING.findall(_dvc(clone, "queue", "logs", name))
+        row = next((row for row in status.splitlines() if f" {name} " in f" {row} "), "")
+        seconds = task.get("seconds", float("nan"))
+        cost = seconds + queue_share if jobs == 1 else seconds
+        experiments[name] = {
+            "worker_seconds": seconds,
+            "queue_share_seconds": queue_share if jobs == 1 else None,
+            "seconds": cost,
+            "ratio_to_workspace_stages": cost / (budget / GOAL),
+            "ratio_to_workspace_stage_spans": cost / span_budget if span_budget else None,
+            "stage_spans": spans.get(name, {}),
+            "stages_run": ran,
+            "succeeded": "Success" in row,
+            "within_goal": cost <= budget and not set(ran) & set(GRAPH[:5]) and features_written == 0,
+        }
     return {
         "commit": sha,
         "workspace_repro_seconds": repro_seconds,
-        "workspace_stage_seconds": stages,
+        "workspace_stage_seconds": stage_seconds,
+        "workspace_stage_spans": workspace_spans,
         "goal_seconds_per_experiment": budget,
         "jobs": jobs,
+        "sweep_seconds": sweep_seconds,
         "experiments": experiments,
         "feature_bytes_written_during_sweep": features_written,
         "feature_bytes_by_place": {k.removeprefix(str(clone) + "/"): v for k, v in written.items() if v},
@@ -137,7 +193,7 @@ def sweep(rev: str, work: Path, rates: list[str], jobs: int) -> dict:
 @click.command()
 @click.option("--rev", "revs", multiple=True, default=["HEAD"], show_default=True, help="commits to sweep at")
 @click.option("--lr", "rates", multiple=True, default=["1e-4", "1e-3"], show_default=True, help="one point each")
-@click.option("--jobs", default=1, show_default=True, help="dvc queue start -j (1: per-experiment seconds)")
+@click.option("--jobs", default=1, show_default=True, help="dvc queue start -j (1: per-experiment costs)")
 @click.option("--work", type=click.Path(path_type=Path), default=Path("/tmp/queued-sweep"), show_default=True)
 @click.option("--out", type=click.Path(path_type=Path), default=None)
 def main(revs: tuple[str, ...], rates: tuple[str, ...], jobs: int, work: Path, out: Path | None) -> None:
