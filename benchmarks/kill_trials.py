@@ -4,8 +4,12 @@ A tiny project (the tests' random Llama verifier, 320 long train prompts, 4 held
 stage in graph order: one uninterrupted reference run from empty outputs, and ``--trials`` trials, each from
 empty outputs: start the stage as dvc would (``python stages/<stage>.py`` in the project, own process group,
 ``--threads`` torch threads: two threads on a loaded 2-core machine made train 5x slower than one),
-SIGKILL the group at a moment drawn uniformly from [0, reference seconds) (seeded), then rerun it to the end.
-A trial passes when the rerun exits 0 and every file under the stage's output roots has the reference's digest.
+SIGKILL the group at a moment drawn uniformly (seeded) from the window in which the reference run was writing (from
+its first output file to its final manifest, watched every 20 ms), then rerun it to the end. A kill that lands
+before any output or after the stage finished is not a trial: the outputs are cleared and a new moment drawn, up to
+``--attempts`` times, and every attempt's landing is counted. Each trial records where its kill landed: files and
+progress (shards or step) written, and the temp files a write in progress left. A trial passes when the rerun exits 0
+and every file under the stage's output roots has the reference's digest.
 After a stage's trials its reference outputs are put back, so the next stage reads exactly what it would have.
 
 Digests: sha256 of the bytes of every file under the roots, hidden files included (a temp file a kill leaves
@@ -100,6 +104,9 @@ class Stage:
         return int(torch.load(state, weights_only=True, map_location="cpu")["step"])
 
 
+PHASES = ("before_output", "mid_output", "after_completion")
+WATCH_EVERY = 0.02
+
 STAGES = [
     Stage("generate", ("data/generated", "data/.generate-state"), "data/generated/manifest.json"),
     Stage("extract", ("data/extract", ".expman/features"), "data/extract/manifest.json"),
@@ -184,21 +191,56 @@ def must_run(project: Path, stage: str, log: Path) -> float:
     return seconds
 
 
-def trial(project: Path, stage: Stage, kill_at: float, reference: dict[str, str], log: Path) -> dict:
-    """One kill at ``kill_at`` seconds after the start, then a rerun to the end, compared with the reference."""
-    stage.clear(project)
-    process = start(project, stage.name, log)
-    try:
-        exit_code = process.wait(timeout=kill_at)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
-        exit_code = None
-    written = stage.files(project)
+def landing(project: Path, stage: Stage, exit_code: int | None) -> str:
+    """Where a kill landed: before any output, while the stage was writing, or after it had finished."""
     if exit_code is not None or (project / stage.final).is_file():
-        phase = "after_completion"
-    else:
-        phase = "mid_output" if written else "before_output"
+        return "after_completion"
+    return "mid_output" if stage.files(project) else "before_output"
+
+
+def watched(project: Path, stage: Stage, log: Path) -> tuple[float, tuple[float, float]]:
+    """Run a stage to the end, watching its outputs; return its seconds and when it wrote its first and last file."""
+    started = time.perf_counter()
+    process = start(project, stage.name, log)
+    first = final = None
+    while process.poll() is None:
+        now = time.perf_counter() - started
+        if first is None and stage.files(project):
+            first = now
+        if final is None and (project / stage.final).is_file():
+            final = now
+        time.sleep(WATCH_EVERY)
+    seconds = time.perf_counter() - started
+    if process.returncode:
+        raise click.ClickException(f"{stage.name} failed (exit {process.returncode}); see {log}")
+    return seconds, (first or 0.0, final or seconds)
+
+
+def trial(
+    project: Path,
+    stage: Stage,
+    window: tuple[float, float],
+    attempts: int,
+    reference: dict[str, str],
+    log: Path,
+    rng: random.Random,
+) -> dict:
+    """Kills at moments drawn from ``window`` until one lands while the stage writes, then a rerun to the end."""
+    tried = []
+    for _ in range(attempts):
+        stage.clear(project)
+        kill_at = rng.uniform(*window)
+        process = start(project, stage.name, log)
+        try:
+            exit_code = process.wait(timeout=kill_at)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            exit_code = None
+        tried.append({"kill_at_s": round(kill_at, 3), "phase": landing(project, stage, exit_code)})
+        if tried[-1]["phase"] == "mid_output":
+            break
+    written = stage.files(project)
     at_kill = {
         "files": len(written),
         "progress": stage.progress(project),
@@ -207,9 +249,9 @@ def trial(project: Path, stage: Stage, kill_at: float, reference: dict[str, str]
     code, seconds = run(project, stage.name, log)
     found = differences(digests(project, stage), reference) if code == 0 else [f"rerun exit code {code}"]
     return {
-        "kill_at_s": round(kill_at, 3),
-        "exited_before_kill": exit_code,
-        "phase": phase,
+        "kill_at_s": tried[-1]["kill_at_s"],
+        "phase": tried[-1]["phase"],
+        "attempts": tried,
         "at_kill": at_kill,
         "rerun_exit_code": code,
         "rerun_s": round(seconds, 3),
@@ -218,38 +260,44 @@ def trial(project: Path, stage: Stage, kill_at: float, reference: dict[str, str]
     }
 
 
-def stage_trials(project: Path, stage: Stage, upstream: list[Stage], trials: int, rng: random.Random) -> dict:
+def stage_trials(
+    project: Path, stage: Stage, upstream: list[Stage], trials: int, attempts: int, rng: random.Random
+) -> dict:
     """The reference run, the kill trials, and the reference outputs put back; upstream digests checked."""
     log = project / f"logs/{stage.name}.log"
     before = {s.name: digests(project, s) for s in upstream}
     stage.clear(project)
-    fresh_s = must_run(project, stage.name, log)
+    fresh_s, window = watched(project, stage, log)
     reference = digests(project, stage)
     saved = project.parent / f"reference-{stage.name}"
     for root in stage.roots:
         shutil.copytree(project / root, saved / root, symlinks=True)
     results = []
     for index in range(trials):
-        kill_at = rng.uniform(0, fresh_s)
-        results.append(trial(project, stage, kill_at, reference, log))
+        results.append(trial(project, stage, window, attempts, reference, log, rng))
         click.echo(f"{stage.name} trial {index}: {json.dumps(results[-1])}", err=True)
     stage.clear(project)
     for root in stage.roots:
         shutil.copytree(saved / root, project / root, symlinks=True, dirs_exist_ok=True)
     if digests(project, stage) != reference:
         raise click.ClickException(f"{stage.name}: the reference outputs could not be put back")
-    phases = {p: sum(r["phase"] == p for r in results) for p in ("before_output", "mid_output", "after_completion")}
+    phases = {p: sum(r["phase"] == p for r in results) for p in PHASES}
+    attempted = [a["phase"] for r in results for a in r["attempts"]]
     mid = [r["rerun_s"] for r in results if r["phase"] == "mid_output"]
     return {
         "trials": trials,
         "all_equal": all(r["equal"] for r in results),
         "upstream_intact": all(digests(project, s) == before[s.name] for s in upstream),
         "fresh_s": round(fresh_s, 3),
+        "writing_window_s": [round(t, 3) for t in window],
         "rerun_s": {
             "median": round(statistics.median(r["rerun_s"] for r in results), 3),
             "median_after_mid_output_kill": round(statistics.median(mid), 3) if mid else None,
         },
         "phases": phases,
+        "attempt_phases": {p: attempted.count(p) for p in PHASES},
+        "interrupted_while_writing": phases["mid_output"],
+        "killed_mid_file": sum(bool(r["at_kill"]["temp_files"]) for r in results),
         "reference": {
             "files": len(reference),
             "bytes": sum(f.stat().st_size for f in stage.files(project)),
@@ -263,10 +311,11 @@ def stage_trials(project: Path, stage: Stage, upstream: list[Stage], trials: int
 @click.command()
 @click.option("--trials", default=10, show_default=True, help="kill trials per stage")
 @click.option("--seed", default=0, show_default=True, help="seed of the kill moments")
+@click.option("--attempts", default=8, show_default=True, help="kills per trial until one lands while it writes")
 @click.option("--threads", default=1, show_default=True, help="torch threads of the stages (OMP_NUM_THREADS)")
 @click.option("--workdir", type=click.Path(path_type=Path), default=None, help="keep the project here")
 @click.option("--out", type=click.Path(path_type=Path), default=None)
-def main(trials: int, seed: int, threads: int, workdir: Path | None, out: Path | None) -> None:
+def main(trials: int, attempts: int, seed: int, threads: int, workdir: Path | None, out: Path | None) -> None:
     started = time.perf_counter()
     os.environ["OMP_NUM_THREADS"] = str(threads)  # the stages inherit it
     load_before = os.getloadavg()
@@ -281,7 +330,7 @@ def main(trials: int, seed: int, threads: int, workdir: Path | None, out: Path |
     for index, stage in enumerate(STAGES):
         if stage.name == "train":
             must_run(project, "vocab", project / "logs/vocab.log")
-        stages[stage.name] = stage_trials(project, stage, STAGES[:index], trials, rng)
+        stages[stage.name] = stage_trials(project, stage, STAGES[:index], trials, attempts, rng)
     report = header("kill_trials") | {
         "cpu": cpu_name(),
         "cpu_count": os.cpu_count(),
@@ -293,8 +342,10 @@ def main(trials: int, seed: int, threads: int, workdir: Path | None, out: Path |
             "verifier": "tests.conftest.make_tiny_verifier",
         },
         "seed": seed,
+        "attempts_per_trial": attempts,
         "threads": threads,
         "all_equal": all(s["all_equal"] and s["upstream_intact"] for s in stages.values()),
+        "all_interrupted_while_writing": all(s["interrupted_while_writing"] == trials for s in stages.values()),
         "stages": stages,
         "total_s": round(time.perf_counter() - started, 1),
     }

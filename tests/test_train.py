@@ -267,6 +267,30 @@ def test_finetune_starts_from_a_compatible_drafter(project: Path, monkeypatch: p
     assert manifest["upstream"]["finetune_from"]["manifest"] == "base-drafter"
 
 
+def test_finetune_from_weights_split_over_two_files(project: Path) -> None:
+    """A drafter whose weights are split over several safetensors files (as exported checkpoints often are) is an
+    input like any other: it loads, and the manifest names it by the digest of all its files."""
+    from safetensors.torch import save_file
+
+    from expman.drafter.checkpoint import weights_sha256
+
+    run_until("vocab")
+    run_train()
+    source = project / "split-drafter"
+    shutil.copytree(project / paths.DRAFTER, source)
+    tensors = load_file(str(source / "model.safetensors"))
+    (source / "model.safetensors").unlink()
+    names = sorted(tensors)
+    for index, part in enumerate((names[::2], names[1::2]), start=1):
+        save_file({name: tensors[name] for name in part}, str(source / f"model-0000{index}-of-00002.safetensors"))
+    shutil.rmtree(project / paths.DRAFTER)
+    _use_finetune(project, "split-drafter")
+    manifest = run_train()
+    entry = manifest["upstream"]["finetune_from"]
+    assert entry == {"manifest": "split-drafter", "manifest_sha256": weights_sha256(source)}
+    assert len(entry["manifest_sha256"]) == 64
+
+
 def test_incompatible_finetune_source_is_refused_naming_the_differences(project: Path) -> None:
     run_until("vocab")
     run_train()

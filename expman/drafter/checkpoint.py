@@ -28,7 +28,7 @@ from transformers.activations import ACT2FN
 
 from expman.drafter.model import DrafterConfig, Eagle3Drafter
 from expman.errors import ExpmanError
-from expman.provenance import atomic_dir
+from expman.provenance import atomic_dir, sha256_file
 
 __all__ = [
     "export_eagle",
@@ -317,6 +317,18 @@ def _headers(folder: Path) -> dict[str, _Header]:
                 raise ExpmanError(f"{path}: tensor {name} is also in {found[name].path.name}")
             found[name] = _Header(path, shape, dtype)
     return found
+
+
+def weights_sha256(folder: Path) -> str:
+    """The digest of a drafter's weights: its one safetensors file's sha256, or, for weights split over several
+    files, the sha256 of each file's name and digest, so a finetune's input is named whatever its files are called."""
+    import hashlib
+
+    files = sorted(folder.glob("*.safetensors"))
+    if len(files) == 1:
+        return sha256_file(files[0])
+    listed = json.dumps({file.name: sha256_file(file) for file in files}, sort_keys=True)
+    return hashlib.sha256(listed.encode()).hexdigest()
 
 
 def _one_line(err: Exception) -> str:

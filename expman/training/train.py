@@ -25,14 +25,14 @@ from expman.data.conversations import prompt_id
 from expman.data.shards import remove_stale_temps
 from expman.devices import compiles as setting_compiles
 from expman.devices import dtype_name, precision_facts, resolve_device
-from expman.drafter.checkpoint import save_speculators
+from expman.drafter.checkpoint import save_speculators, weights_sha256
 from expman.drafter.model import DrafterConfig, Eagle3Drafter
 from expman.drafter.objective import Packed, VerifierHead, compiled_ttt_loss, metric_values, simulated_tau, ttt_loss
 from expman.errors import ExpmanError
 from expman.params import LAUNCH_KEYS, TrainParams
 from expman.paths import TrainPaths
 from expman.plots import TRAIN_FIGURE, train_figure, train_row, write_tables
-from expman.provenance import atomic_write, atomic_write_json, read_manifest, sha256_file, sha256_json, upstream_entry
+from expman.provenance import atomic_write, atomic_write_json, read_manifest, sha256_json, upstream_entry
 from expman.registry.tracking import StageRun, stage_run
 from expman.training.batches import BatchFeed, SampleRef, ShardReader, batch_plan, index_samples, split_samples
 from expman.training.parallel import DataParallel
@@ -394,7 +394,7 @@ def train(
     if section.finetune_from:  # an input too, once start_from has checked it is a drafter
         inputs.upstream["finetune_from"] = {
             "manifest": section.finetune_from,
-            "manifest_sha256": sha256_file(Path(section.finetune_from) / "model.safetensors"),
+            "manifest_sha256": weights_sha256(Path(section.finetune_from)),
         }
     plans = _plans(section, inputs.train_refs, parallel)
     optimizer, scheduler = new_optimizer(drafter, section, sum(len(p) for p in plans))
