@@ -2,7 +2,7 @@
 
 The evaluator's speedup is tau / (round cost / plain step): a round is the drafter's k steps plus one verifier
 forward over k + 1 tokens plus the drafter's cache extension. This times those parts with the evaluator's own
-classes (``expman.evaluation.evaluate.VerifierSession`` and ``DrafterSession``) on a verifier shape with random weights
+classes (``expman.evaluation.decoder.VerifierSession`` and ``DrafterSession``) on a verifier shape with random weights
 (the cost does not depend on the weights), after a context of ``--context`` tokens, for each ``--dtype`` (of verifier
 and drafter alike, as in the evaluator), the parts in a round's order (draft, verify, extend). It reports each part in
 ms, the round cost per k as a multiple of the plain step (the tau that k needs to break even), and the tau that k needs
@@ -23,7 +23,7 @@ from harness import SHAPES, elapsed, header, shape_option, write_report
 
 from expman.data.extract import default_aux_layers
 from expman.drafter.model import DrafterConfig, Eagle3Drafter
-from expman.evaluation.evaluate import DrafterSession, VerifierSession
+from expman.evaluation.decoder import DrafterSession, VerifierSession
 
 
 def _median_ms(parts: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:

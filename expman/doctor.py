@@ -228,18 +228,34 @@ def extract_estimate(params: Params) -> Estimate:
     return Estimate(tokens, bytes_per_token(hidden), basis)
 
 
+def _planned_key(params: Params) -> str | None:
+    """The key extract would publish for the workspace's params and inputs; None before generate has run."""
+    from expman.data.extract import planned_key
+
+    try:
+        return planned_key(params, paths.ExtractPaths.default())
+    except (ExpmanError, OSError, KeyError, TypeError, ValueError):
+        return None
+
+
 def check_disk(params: Params) -> list[Finding]:
-    """The extract estimate against the free space of the disk that holds the feature store."""
+    """The extract estimate against the free space of the disk that holds the feature store, less what is there
+    already: nothing when the params' feature set is published, the shards a killed extract left in its partial
+    folder otherwise (extract resumes them)."""
     try:
         estimate = extract_estimate(params)
     except (ExpmanError, OSError, KeyError, TypeError, ValueError) as err:
         return [Finding("disk", "warning", f"no extract storage estimate: {err}", "dvc repro prepare")]
-    store = FeatureStore.default().root
-    free, _ = disk_room(store)
-    needed = estimate.total
+    store = FeatureStore.default()
+    key = _planned_key(params)
+    if key is not None and store.published(key) is not None:
+        return [Finding("disk", "ok", f"features {key} of these params are in the feature store {store.root} already")]
+    free, written = disk_room(store.partial_folder(key) if key else store.root)
+    needed = max(estimate.total - written, 0)
+    resumed = f", {readable_size(written)} of it written already by an interrupted extract" if written else ""
     message = (
-        f"extract needs about {readable_size(estimate.total)} in the feature store {store} ({estimate.tokens:,} "
-        f"tokens × {estimate.bytes_per_token:,} B; {estimate.basis}); {readable_size(free)} free there"
+        f"extract needs about {readable_size(estimate.total)} in the feature store {store.root} ({estimate.tokens:,} "
+        f"tokens × {estimate.bytes_per_token:,} B; {estimate.basis}{resumed}); {readable_size(free)} free there"
     )
     fix = f"expman features gc --yes, or export {STORE_VARIABLE}=<a folder on a disk with {readable_size(needed)} free>"
     if needed > free:

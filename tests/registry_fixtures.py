@@ -103,7 +103,7 @@ def synthetic_evaluation(
     """A plausible evaluation measured on ``target``: ``arms`` maps arm name to (sha256, per-draft acceptance
     quality); a round costs one verifier forward (20 ms) plus 3 ms per drafted token, so a weak drafter is slower
     than no speculation. Its summary is the evaluate stage's own."""
-    from expman.evaluation.evaluate import summarize
+    from expman.evaluation.decoder import summarize
 
     rng = random.Random(seed)
     rows = []

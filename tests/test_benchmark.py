@@ -155,6 +155,7 @@ def test_parity_alone_flags_a_shifted_export_and_a_post_norm_final_state(smollm2
     the honest drafter beside them is not."""
     import shutil
 
+    from expman.engines.factory import serving_engine
     from expman.evaluation.state_parity import served_state_parity
 
     project = smollm2_project
@@ -170,7 +171,8 @@ def test_parity_alone_flags_a_shifted_export_and_a_post_norm_final_state(smollm2
     prompts = [
         responses[row["id"]]["input_ids"][: responses[row["id"]]["prompt_tokens"]] for row in evaluation["prompts"]
     ]
-    result = served_state_parity(project / paths.VERIFIER, arms, prompts[:2], "cpu", "float32", False, 0.99)
+    engine = serving_engine("vllm")
+    result = served_state_parity(engine, project / paths.VERIFIER, arms, prompts[:2], "cpu", "float32", False, 0.99)
     assert result["honest"]["reasons"] == [], result["honest"]
     assert len(result["shifted"]["reasons"]) == 3, result["shifted"]  # every aux layer, not the final state
     assert "states at aux id 3 (served by the checkpoint)" in result["shifted"]["reasons"][0]

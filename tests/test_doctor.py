@@ -24,6 +24,7 @@ from expman import doctor, paths
 from expman.cli import main
 from expman.data.extract import capture_contract
 from expman.data.features import FeatureStore
+from expman.data.shards import readable_size
 from expman.doctor import (
     GpuProcess,
     check_contract,
@@ -202,6 +203,32 @@ def test_estimate_matches_what_extract_stores(project: Path) -> None:
     estimate = extract_estimate(load_params("params.yaml"))
     assert estimate.tokens == manifest["totals"]["tokens"]
     assert abs(estimate.total / manifest["storage"]["bytes"] - 1) < 0.05  # headers and offsets are the rest
+
+
+@pytest.mark.integration
+def test_disk_check_credits_what_the_store_holds(project: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Published features need no room; the shards a killed extract left in its partial folder count as written."""
+    from tests.test_pipeline import run_until
+
+    run_until("extract")
+    params = load_params("params.yaml")
+    key = json.loads((paths.EXTRACT / "manifest.json").read_text())["features"]["key"]
+    free = extract_estimate(params).total // 2
+    monkeypatch.setattr(doctor.shutil, "disk_usage", lambda _: SimpleNamespace(free=free))
+    [finding] = check_disk(params)
+    assert finding.level == "ok" and f"features {key} of these params are in the feature store" in finding.message
+
+    store = FeatureStore.default()
+    partial = store.partial_folder(key)
+    store.folder(key).rename(partial)  # as a kill before publishing leaves it: every shard written
+    (partial / "set.json").unlink()
+    written = sum(p.stat().st_size for p in partial.glob("*.safetensors"))
+    [finding] = check_disk(params)
+    assert f"{readable_size(written)} of it written already by an interrupted extract" in finding.message
+    assert finding.level == "ok"  # all of it but the estimate's margin is on disk: half the estimate free is enough
+    for shard in partial.glob("*.safetensors"):
+        shard.unlink()
+    assert check_disk(params)[0].level == "error"  # all of it to write again, into half its size
 
 
 def consistent_project(root: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:

@@ -13,17 +13,16 @@ import pytest
 import torch
 
 from expman.drafter.model import DrafterConfig, Eagle3Drafter
-from expman.evaluation.evaluate import (
+from expman.evaluation.decoder import (
     TIE_ULPS,
     DrafterSession,
     GreedyReference,
     _accept,
-    _decode_rows,
     greedy_decode,
-    select_prompts,
     speculative_decode,
     summarize,
 )
+from expman.evaluation.evaluate import _decode_rows, select_prompts
 
 
 @pytest.fixture(scope="module")

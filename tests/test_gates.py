@@ -13,7 +13,8 @@ from click.testing import CliRunner
 
 from expman import paths
 from expman.cli import main
-from expman.engines.vllm import EngineArm
+from expman.engines.factory import serving_engine
+from expman.engines.serving import ArmResult
 from expman.evaluation.benchmark import _measure_arm, _summary, _Work
 from expman.params import BenchmarkParams
 from expman.registry.register import engine_tags
@@ -41,10 +42,12 @@ def _unmeasured_speedup() -> tuple[dict[str, Any], dict[str, float]]:
     reference = {"tau": TAU, "per_position": [0.26, 0.07, 0.025], "speedup": 0.9}
     evaluation = {"summary": {"candidate": {"k3": reference}}}
     work = _Work({}, evaluation, [3], [[1, 2]], {"candidate": Path("models/drafter")}, {"candidate": None})
-    nospec = EngineArm([[]], 1.0, [], [], {})
+    nospec = ArmResult([[]], 1.0, {}, {})
+    counters = {"metrics_before": recorded_get_metrics("before"), "metrics_after": recorded_get_metrics("after")}
 
-    def engine_run(**_: Any) -> EngineArm:
-        return EngineArm([[5, 6, 7]], 2.0, recorded_get_metrics("before"), recorded_get_metrics("after"), {})
+    def engine_run(**_: Any) -> tuple[ArmResult, Any]:
+        arm = ArmResult([[5, 6, 7]], 2.0, {}, counters)
+        return arm, serving_engine("vllm").acceptance(arm)
 
     run = _Run()
     arm = _measure_arm(run, BenchmarkParams(), work, "candidate", engine_run, nospec, None)

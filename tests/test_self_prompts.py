@@ -11,10 +11,10 @@ import pytest
 import yaml
 
 from expman import paths
-from expman.data.backend import GenOutput
 from expman.data.generate import generate, read_responses
 from expman.data.self_prompts import DROP_REASONS, PromptFilter, WritingContexts, user_turn_prefix, write_prompts
 from expman.data.verifier import prepare
+from expman.engines.generation import GenOutput
 from expman.errors import ExpmanError
 from expman.params import SelfPromptParams, load_params
 from expman.paths import GeneratePaths

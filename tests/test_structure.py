@@ -79,6 +79,30 @@ def test_one_module_talks_to_mlflow_and_one_to_vllm() -> None:
     assert found == owners
 
 
+def _imported_names(path: Path) -> list[str]:
+    """Every module ``path`` imports (and ``module.name`` for each ``from module import name``)."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names += [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+    return names
+
+
+def test_serving_engines_live_in_the_engines_package_below_data() -> None:
+    """Only expman/engines/ imports a serving engine (vllm, sglang): the library, the stages and the benchmarks go
+    through it. It imports nothing of expman.data: the data stages use the engines, never the reverse."""
+    engines = REPO / "expman" / "engines"
+    for folder in ("expman", "stages", "benchmarks"):
+        for path in (REPO / folder).rglob("*.py"):
+            names = _imported_names(path)
+            if engines in path.parents:
+                assert not [n for n in names if n == "expman.data" or n.startswith("expman.data.")], path
+            else:
+                assert not [n for n in names if n.split(".")[0] in ("vllm", "sglang")], path
+
+
 STAGE_MODULES = (  # where each stage's function lives (stages/<stage>.py calls it)
     "data/verifier.py",
     "data/generate.py",

@@ -486,8 +486,7 @@ def extract(params: Params, where: ExtractPaths) -> dict[str, Any]:
     contract, records, samples, upstream = _read_inputs(section, where)
     device = resolve_device(section.device)
     precision = precision_facts(device, section.dtype)
-    determining = section.model_dump() | {"device": device, "dtype": precision["dtype"]}
-    key = feature_key(contract, upstream, determining)
+    key = feature_key(contract, upstream, section.model_dump() | {"device": device, "dtype": precision["dtype"]})
     store = FeatureStore.default()
     with store.using(key):
         published = store.published(key)
@@ -516,6 +515,18 @@ def extract(params: Params, where: ExtractPaths) -> dict[str, Any]:
             }
             remove_stale_temps(where.out / "manifest.json")  # left by a kill during an earlier write
             return run.write_manifest(where.out / "manifest.json", facts)
+
+
+def planned_key(params: Params, where: ExtractPaths) -> str:
+    """The feature key extract would publish for these params and inputs (manifests and responses read, no model
+    loaded): what ``expman doctor`` looks for in the store."""
+    from expman.devices import precision_facts, resolve_device
+
+    section = params.extract
+    contract, _, _, upstream = _read_inputs(section, where)
+    device = resolve_device(section.device)
+    dtype = precision_facts(device, section.dtype)["dtype"]
+    return feature_key(contract, upstream, section.model_dump() | {"device": device, "dtype": dtype})
 
 
 def _compute_set(

@@ -19,10 +19,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from expman.data.backend import Backend, GenOutput, Messages
 from expman.data.conversations import Conversation, read_dataset
 from expman.data.shards import ShardSet, verify_shard
 from expman.devices import attention_kernels, precision_facts, resolve_device, resolve_dtype
+from expman.engines.generation import Backend, GenOutput, Messages
 from expman.errors import ExpmanError
 from expman.params import GenerateParams, Params
 from expman.paths import GeneratePaths
@@ -212,9 +212,10 @@ def _check_cpu_continuous_batching() -> None:
 
 def _make_backend(model_dir: Path, params: GenerateParams) -> Backend:
     if params.backend == "vllm":
+        from expman.data.verifier import load_verifier_manifest
         from expman.engines.vllm import VllmGenerator
 
-        return VllmGenerator(model_dir, params)
+        return VllmGenerator(model_dir, params, load_verifier_manifest(model_dir)["trust_remote_code"])
     return HFBackend(model_dir, params)
 
 

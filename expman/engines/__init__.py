@@ -1,1 +1,2 @@
-"""Serving engines: vLLM (generation and the benchmark arms), SGLang, the engines' spec-decode counters."""
+"""Serving engines, below ``expman.data``: the generation and serving interfaces (``generation``, ``serving``), vLLM
+(generation, hidden states, benchmark arms), SGLang (benchmark arms), the engines' spec-decode counters."""

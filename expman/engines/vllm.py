@@ -1,6 +1,7 @@
 """The only module that talks to vLLM (offline ``LLM``): response generation for the generate stage, the
-verifier's hidden states for the extract stage (vLLM's ``extract_hidden_states`` method), and one timed arm of the
-benchmark stage (no speculation, or EAGLE-3 with a drafter folder and k draft tokens).
+verifier's hidden states for the extract stage (vLLM's ``extract_hidden_states`` method), and the benchmark
+stage's serving engine (``VllmEngine``, the interface of ``expman.engines.serving``: timed arms without speculation
+or with EAGLE-3 at k draft tokens, their spec-decode counters, the hidden states of the parity check).
 
 On CPU, vLLM reserves one core for its front end unless told otherwise; on a 2-core machine that halves
 throughput, so expman gives the engine every core unless the user set the variables. On CPU every engine runs its
@@ -20,15 +21,16 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from expman.data.backend import GenOutput, Messages
+from expman.engines.generation import GenOutput, Messages
+from expman.engines.metrics import AcceptanceCounters, from_vllm_metrics
+from expman.engines.serving import ArmResult, ArmSetup
 from expman.errors import ExpmanError
 from expman.params import GenerateParams
 
-__all__ = ["EngineArm", "VllmGenerator", "VllmHiddenStates", "run_vllm_arm", "vllm_version"]
+__all__ = ["VllmEngine", "VllmGenerator", "VllmHiddenStates", "vllm_version"]
 
 
 EAGER = {"compilation_config": {"mode": 0}, "enforce_eager": True}
@@ -144,8 +146,7 @@ def _prefill_kv_cache(model_dir: Path, layer_ids: Sequence[int], max_prompt_toke
 class VllmGenerator:
     """Generation through ``vllm.LLM.chat`` with the verifier's chat template."""
 
-    def __init__(self, model_dir: Path, params: GenerateParams):
-        from expman.data.verifier import load_verifier_manifest
+    def __init__(self, model_dir: Path, params: GenerateParams, trust_remote_code: bool):
         from expman.devices import dtype_name, resolve_device
 
         try:
@@ -177,7 +178,7 @@ class VllmGenerator:
                 dtype=dtype,
                 seed=params.seed,
                 tensor_parallel_size=params.tensor_parallel_size,
-                trust_remote_code=load_verifier_manifest(model_dir)["trust_remote_code"],
+                trust_remote_code=trust_remote_code,
                 **whole_prefills,
                 **cpu,
             )
@@ -221,17 +222,6 @@ def _gen_output(request: Any) -> GenOutput:
     )
 
 
-@dataclass
-class EngineArm:
-    """What one engine run gave: output ids per prompt, wall time of the timed batch, raw metric snapshots."""
-
-    outputs: list[list[int]]
-    seconds: float
-    metrics_before: list[Any]
-    metrics_after: list[Any]
-    settings: dict[str, Any]
-
-
 def _shutdown(llm: Any) -> None:
     core = getattr(llm.llm_engine, "engine_core", None)
     if core is not None:
@@ -249,58 +239,81 @@ def vllm_version() -> str | None:
     return None
 
 
-def run_vllm_arm(
-    model_dir: Path,
-    prompts: Sequence[Sequence[int]],
-    max_new_tokens: int,
-    drafter_dir: Path | None,
-    k: int,
-    device: str,
-    dtype: str,
-    seed: int,
-    trust_remote_code: bool,
-    compile: bool,
-) -> EngineArm:
-    """Greedy generation of every prompt (token ids) in one batch; with ``drafter_dir``, EAGLE-3 speculation
-    with a chain of ``k``; without ``compile`` the engine runs eagerly."""
-    try:
-        import vllm
-    except ImportError:
-        raise ExpmanError("benchmark.engine: vllm is not installed (pip install '.[engine]')") from None
-    settings: dict[str, Any] = {
-        "dtype": dtype,
-        "seed": seed,
-        "max_new_tokens": max_new_tokens,
-        "batch": len(prompts),
-        "compile": compile,
-        "engine_core": "in-process" if device == "cpu" else "spawned",
-    }
-    if drafter_dir is not None:
-        settings["speculative_config"] = {"method": "eagle3", "model": str(drafter_dir), "num_speculative_tokens": k}
-    cpu = {}
-    if device == "cpu":
-        _cpu_defaults()
-        cpu = _batch_kv_cache(model_dir, drafter_dir, prompts, max_new_tokens + k + 1, dtype)
-        settings.update(cpu)
-    with _engine_core_in_process() if device == "cpu" else contextlib.nullcontext():
-        return _timed_batch(
-            vllm.LLM(  # unnamed: _timed_batch holds the only reference and frees the engine after its batch
-                model=str(model_dir),
-                dtype=dtype,
-                seed=seed,
-                disable_log_stats=False,  # keeps the spec-decode counters get_metrics() reads
-                trust_remote_code=trust_remote_code,
-                speculative_config=settings.get("speculative_config"),
-                **({} if compile else EAGER),
-                **cpu,
-            ),
-            prompts,
-            max_new_tokens,
-            settings,
-        )
+class VllmEngine:
+    """vLLM's offline ``LLM`` as a serving engine (``expman.engines.serving``): arms, counters and hidden states."""
+
+    name = "vllm"
+    states_unsupported = None
+
+    def version(self) -> str | None:
+        return vllm_version()
+
+    def run_arm(self, setup: ArmSetup, drafter_dir: Path | None, k: int) -> ArmResult:
+        """Greedy generation of every prompt (token ids) in one batch; with ``drafter_dir``, EAGLE-3 speculation
+        with a chain of ``k``; without ``setup.compile`` the engine runs eagerly."""
+        try:
+            import vllm
+        except ImportError:
+            raise ExpmanError("benchmark.engine: vllm is not installed (pip install '.[engine]')") from None
+        prompts, device, dtype = setup.prompts, setup.device, setup.dtype
+        settings: dict[str, Any] = {
+            "dtype": dtype,
+            "seed": setup.seed,
+            "max_new_tokens": setup.max_new_tokens,
+            "batch": len(prompts),
+            "compile": setup.compile,
+            "engine_core": "in-process" if device == "cpu" else "spawned",
+        }
+        if drafter_dir is not None:
+            settings["speculative_config"] = {
+                "method": "eagle3",
+                "model": str(drafter_dir),
+                "num_speculative_tokens": k,
+            }
+        cpu = {}
+        if device == "cpu":
+            _cpu_defaults()
+            cpu = _batch_kv_cache(setup.model_dir, drafter_dir, prompts, setup.max_new_tokens + k + 1, dtype)
+            settings.update(cpu)
+        with _engine_core_in_process() if device == "cpu" else contextlib.nullcontext():
+            return _timed_batch(
+                vllm.LLM(  # unnamed: _timed_batch holds the only reference and frees the engine after its batch
+                    model=str(setup.model_dir),
+                    dtype=dtype,
+                    seed=setup.seed,
+                    disable_log_stats=False,  # keeps the spec-decode counters get_metrics() reads
+                    trust_remote_code=setup.trust_remote_code,
+                    speculative_config=settings.get("speculative_config"),
+                    **({} if setup.compile else EAGER),
+                    **cpu,
+                ),
+                prompts,
+                setup.max_new_tokens,
+                settings,
+            )
+
+    def acceptance(self, arm: ArmResult) -> AcceptanceCounters:
+        """The deltas of vLLM's cumulative counters (``get_metrics()``) around the timed batch."""
+        return from_vllm_metrics(arm.raw["metrics_after"]) - from_vllm_metrics(arm.raw["metrics_before"])
+
+    def hidden_states(
+        self,
+        model_dir: Path,
+        layer_ids: Sequence[int],
+        prompts: Sequence[Sequence[int]],
+        device: str,
+        dtype: str,
+        trust_remote_code: bool,
+    ) -> list[Any]:
+        """One engine start (``VllmHiddenStates``, one rank) for all the prompts."""
+        engine = VllmHiddenStates(model_dir, layer_ids, device, dtype, 1, trust_remote_code, max(map(len, prompts)))
+        try:
+            return engine.states(prompts)
+        finally:
+            engine.close()
 
 
-def _timed_batch(llm: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, settings: dict) -> EngineArm:
+def _timed_batch(llm: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, settings: dict) -> ArmResult:
     """One warm-up request, then every prompt greedy in one timed batch; the engine is shut down after."""
     import gc
 
@@ -318,7 +331,8 @@ def _timed_batch(llm: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int
         _shutdown(llm)
         del llm
         gc.collect()
-    return EngineArm([list(r.outputs[0].token_ids) for r in results], seconds, before, after, settings)
+    outputs = [list(r.outputs[0].token_ids) for r in results]
+    return ArmResult(outputs, seconds, settings, {"metrics_before": before, "metrics_after": after})
 
 
 class VllmHiddenStates:
@@ -351,7 +365,7 @@ class VllmHiddenStates:
                 raise ExpmanError("extract.expert_parallel needs GPUs: vLLM CPU 0.32's fused-MoE kernel crashes on it")
             _cpu_defaults(tensor_parallel_size)
             # on CPU the compile warmup dominated this prefill-only workload: the default graph's extract stage took
-            # 194 s with it (engine init 93 s) and 110 s without (init 1 s) on 2 cores in bf16 (README "Scaling out")
+            # 194 s with it (engine init 93 s) and 110 s without (init 1 s) on 2 cores in bf16 (docs/performance.md)
             cpu = EAGER | _prefill_kv_cache(model_dir, layer_ids, max_prompt_tokens, dtype)
         self.layer_ids = list(layer_ids)
         self.columns = [sorted(set(layer_ids)).index(i) for i in layer_ids]  # the engine stores ids ascending

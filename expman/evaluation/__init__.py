@@ -1,1 +1,1 @@
-"""The evaluate and benchmark stages: reference speculative decoding, the engine benchmark, the fault gate."""
+"""The reference speculative decoder, the evaluate and benchmark stages, the integration-fault gate."""

@@ -1,14 +1,15 @@
 """benchmark: the evaluate stage's arms again in a serving engine, and the integration-fault verdict.
 
 The prompts, output length and k are the reference evaluation's, so engine and reference numbers describe the
-same work. Per arm the engine runs greedy over all prompts in one batch (the offline ``LLM``); acceptance comes
-from the deltas of the engine's cumulative spec-decode counters around the timed batch, speedup from the
-no-speculation arm of the same run. A drafter is marked ``integration_fault`` when its checkpoint tells the
-engine other aux layers than it was trained on (the DESIGN.md failure: ids off by one between engines), or when
-the engine's τ falls below ``tau_ratio`` × the reference τ or its position-0 rate below ``position0_ratio`` ×
-the reference's, or when the engine's states at the layers the checkpoint names differ from the states the
-drafter was trained on (``expman.evaluation.state_parity``, on ``parity_prompts`` of the prompts). Engine outputs
-are compared with the engine's own no-speculation outputs.
+same work. The engine (``benchmark.engine``: vLLM's offline ``LLM`` or an SGLang server) is driven only through
+``expman.engines.serving``. Per arm it runs greedy over all prompts in one batch; acceptance comes from the
+engine's spec-decode counters of the timed batch, speedup from the no-speculation arm of the same run. A drafter
+is marked ``integration_fault`` when its checkpoint tells the engine other aux layers than it was trained on (the
+DESIGN.md failure: ids off by one between engines), or when the engine's τ falls below ``tau_ratio`` × the
+reference τ or its position-0 rate below ``position0_ratio`` × the reference's, or when the engine's states at
+the layers the checkpoint names differ from the states the drafter was trained on
+(``expman.evaluation.state_parity``, on ``parity_prompts`` of the prompts; ``not measured`` in an engine that
+returns no hidden states). Engine outputs are compared with the engine's own no-speculation outputs.
 """
 
 from __future__ import annotations
@@ -43,10 +44,8 @@ def contract_mismatch(drafter_dir: Path) -> str | None:
     return None
 
 
-def _engine_numbers(arm: Any, k: int, nospec: Any, nospec_tok_per_s: float | None) -> dict[str, Any]:
-    from expman.engines.metrics import from_vllm_metrics
-
-    counters = from_vllm_metrics(arm.metrics_after) - from_vllm_metrics(arm.metrics_before)
+def _engine_numbers(arm: Any, counters: Any, k: int, nospec: Any, nospec_tok_per_s: float | None) -> dict[str, Any]:
+    """An arm's entry: the engine's acceptance (``counters`` of its timed batch), speed and outputs."""
     tok_per_s = sum(len(o) for o in arm.outputs) / arm.seconds
     rates = list(counters.per_position_rates)[:k]
     return {
@@ -111,8 +110,9 @@ def _measure_arm(
     entry: dict[str, Any] = {"path": str(work.arms[name]), "static_fault": static, "parity": parity, "k": {}}
     parity_reasons = list(parity.get("reasons", [])) if parity else []
     for k in work.ks:
-        measured = engine_run(drafter_dir=work.arms[name], k=k)
-        engine = _engine_numbers(measured, k, nospec, sum(len(o) for o in nospec.outputs) / nospec.seconds)
+        measured, counters = engine_run(drafter_dir=work.arms[name], k=k)
+        nospec_tok_per_s = sum(len(o) for o in nospec.outputs) / nospec.seconds
+        engine = _engine_numbers(measured, counters, k, nospec, nospec_tok_per_s)
         reference = work.evaluation["summary"][name][f"k{k}"]
         verdict = integration_fault(reference, engine, section.tau_ratio, section.position0_ratio)
         reasons = ([static] if static else []) + parity_reasons + list(verdict.reasons)
@@ -134,18 +134,18 @@ def _measure_arm(
 
 
 def _run_engine(run: Any, section: Any, where: BenchmarkPaths, work: _Work, result: dict[str, Any]) -> None:
-    """No speculation, then every arm of the evaluation at each k, in vLLM; into ``result``."""
-    from functools import partial
-
+    """No speculation, then every arm of the evaluation at each k, in the engine ``benchmark.engine`` names (through
+    ``expman.engines.serving``); into ``result``."""
     from tqdm import tqdm
 
     from expman.devices import compiles
-    from expman.engines.vllm import run_vllm_arm, vllm_version
+    from expman.engines.factory import serving_engine
+    from expman.engines.serving import ArmSetup
 
     device, dtype = result["precision"]["device"], result["precision"]["dtype"]
-    result["engine_version"] = vllm_version()
-    engine_run = partial(
-        run_vllm_arm,
+    engine = serving_engine(section.engine)
+    result["engine_version"] = engine.version()
+    setup = ArmSetup(
         model_dir=where.verifier,
         prompts=work.prompts,
         max_new_tokens=work.evaluation["max_new_tokens"],
@@ -157,13 +157,14 @@ def _run_engine(run: Any, section: Any, where: BenchmarkPaths, work: _Work, resu
     )
     bar = tqdm(total=1 + len(work.arms) * len(work.ks), desc="benchmark", unit="engine run")
 
-    def counted(**arm: Any) -> Any:
-        measured = engine_run(**arm)
+    def counted(drafter_dir: Path | None, k: int) -> tuple[Any, Any]:
+        """The arm and, with a drafter, the counters of its timed batch."""
+        measured = engine.run_arm(setup, drafter_dir, k)
         bar.update()
-        return measured
+        return measured, None if drafter_dir is None else engine.acceptance(measured)
 
-    parity = _parity(section, where, work, device, dtype)
-    nospec = counted(drafter_dir=None, k=0)
+    parity = _parity(engine, section, where, work, device, dtype)
+    nospec, _ = counted(drafter_dir=None, k=0)
     nospec_tok_per_s = sum(len(o) for o in nospec.outputs) / nospec.seconds
     result["nospec"] = {"tok_per_s": nospec_tok_per_s, "seconds": nospec.seconds, "settings": nospec.settings}
     for name in work.arms:
@@ -171,13 +172,14 @@ def _run_engine(run: Any, section: Any, where: BenchmarkPaths, work: _Work, resu
     bar.close()
 
 
-def _parity(section: Any, where: BenchmarkPaths, work: _Work, device: str, dtype: str) -> dict[str, Any]:
+def _parity(engine: Any, section: Any, where: BenchmarkPaths, work: _Work, device: str, dtype: str) -> dict[str, Any]:
     """Hidden-state parity of every arm on the first ``parity_prompts`` prompts ({} when switched off)."""
     from expman.evaluation.state_parity import served_state_parity
 
     if not section.parity_prompts:
         return {}
     return served_state_parity(
+        engine,
         where.verifier,
         work.arms,
         work.prompts[: section.parity_prompts],

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from expman.engines.serving import ServingEngine
 
 __all__ = ["served_state_parity"]
 
@@ -56,6 +59,7 @@ def _reference_states(verifier_dir: Path, prompts: list[list[int]], device: str,
 
 
 def served_state_parity(
+    engine: ServingEngine,
     verifier_dir: Path,
     arms: dict[str, Path],
     prompts: list[list[int]],
@@ -66,12 +70,14 @@ def served_state_parity(
 ) -> dict[str, dict[str, Any]]:
     """Per arm: mean cosine per trained layer (and the final state) between the engine's states at the served
     ids and the trained features' states, and one reason per layer below ``min_cosine`` (empty: parity holds).
-    One engine start serves every arm: it captures the union of their served ids and the final id N."""
+    One engine start serves every arm: it captures the union of their served ids and the final id N. An engine
+    that cannot capture states leaves every arm unchecked, ``not measured`` and why."""
     import torch
 
-    from expman.engines.vllm import VllmHiddenStates
     from expman.evaluation.fault_gate import hidden_state_parity
 
+    if engine.states_unsupported:
+        return {name: {"checked": False, "why": f"not measured: {engine.states_unsupported}"} for name in arms}
     pairs = _served_and_trained(arms)
     checked = {name: pair for name, pair in pairs.items() if pair is not None}
     results: dict[str, dict[str, Any]] = {
@@ -83,11 +89,7 @@ def served_state_parity(
         return results
     final = next(iter(checked.values()))[1]["final_layer"]
     ids = sorted({i for served, _ in checked.values() for i in served} | {final})
-    engine = VllmHiddenStates(verifier_dir, ids, device, dtype, 1, trust_remote_code, max(map(len, prompts)))
-    try:
-        captured = torch.cat(engine.states(prompts)).float()
-    finally:
-        engine.close()
+    captured = torch.cat(engine.hidden_states(verifier_dir, ids, prompts, device, dtype, trust_remote_code)).float()
     reference = _reference_states(verifier_dir, prompts, device, getattr(torch, dtype))
     for name, (served, contract) in checked.items():
         trained = contract["aux_layers"]

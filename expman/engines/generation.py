@@ -1,5 +1,6 @@
-"""What a generation backend is (the HF backend in ``generate``, vLLM's in ``expman.engines.vllm``): the
-conversations it takes and the reply it returns."""
+"""What a generation backend is (the HF backend in ``expman.data.generate``, vLLM's in ``expman.engines.vllm``):
+the conversations it takes and the reply it returns. It lives with the engines so that they implement it without
+importing ``expman.data``."""
 
 from __future__ import annotations
 
