@@ -355,6 +355,14 @@ class TrainParams(Section):
     (the window being packed and the next one being read), 4 GiB at 0.5 GiB shards."""
     prefetch: PositiveInt = 2
     """Packed batches made ahead of the training step (on CUDA: already on the GPU, copied behind the compute)."""
+    features: Literal["offline", "online"] = "offline"
+    """offline: train reads the hidden states extract stored in the feature store. online: extract stores none
+    (its manifest records the capture contract and the shard plan) and the train and baseline stages compute each
+    shard's states with the verifier, on their own device, while they train: no features on disk, a verifier
+    forward per shard read. Read by extract too (it decides whether extract computes anything)."""
+    online_cache_gib: float = Field(default=0.0, ge=0.0)
+    """online: host memory for computed shards, so epochs after the first read them instead of computing them
+    again (least recently used dropped first); 0 computes every shard every time it is read."""
     gpus: PositiveInt = 1
     """Training processes on this host (one a GPU; on CPU, gloo processes). Above 1, or with ``nodes`` above 1,
     the stage starts itself under torchrun: DDP, or FSDP with ``fsdp``. Global batch: accumulate x gpus x nodes."""
@@ -404,7 +412,15 @@ class BaselineParams(Section):
     sample_fraction: float = Field(default=0.5, gt=0.0, le=1.0)
     """Share of the training samples (chosen by a hash of the sample id) the generic baseline is trained on."""
     train: TrainParams = TrainParams(epochs=2)
-    """The recipe for ``source: train`` (same keys as the train section)."""
+    """The recipe for ``source: train`` (same keys as the train section, but ``features``: the baseline reads the
+    features the way ``train.features`` has extract record them)."""
+
+    @field_validator("train")
+    @classmethod
+    def _features_follow_train(cls, value: TrainParams) -> TrainParams:
+        if "features" in value.model_fields_set:
+            raise ValueError("features is not set here: the baseline follows train.features")
+        return value
 
     @field_validator("source")
     @classmethod

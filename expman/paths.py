@@ -111,6 +111,8 @@ class TrainPaths:
     state: Path
     metrics: Path
     plots: Path | None
+    generated: Path = GENERATED
+    """The responses online features are computed from (``train.features: online``)."""
 
     @classmethod
     def default(cls) -> TrainPaths:

@@ -40,7 +40,12 @@ __all__ = [
     "extract_shard",
     "greedy_tokens",
     "load_shard",
+    "online_plan",
+    "plan_samples",
+    "planned_key",
     "save_streamed",
+    "shard_chunks",
+    "shard_computer",
     "write_shards",
 ]
 
@@ -264,6 +269,11 @@ def save_streamed(tensors: dict[str, Any], path: Path, metadata: dict[str, str])
     return digest.hexdigest()
 
 
+def shard_chunks(samples: list[dict[str, Any]], samples_per_shard: int) -> list[list[dict[str, Any]]]:
+    """The planned samples cut into shards, in plan order: the grouping both extract and online features use."""
+    return [samples[start : start + samples_per_shard] for start in range(0, len(samples), samples_per_shard)]
+
+
 def write_shards(
     compute: Callable[[list[dict[str, Any]]], tuple[dict[str, Any], Any]],
     samples: list[dict[str, Any]],
@@ -283,10 +293,7 @@ def write_shards(
     in flight; their temp files are removed on the next run."""
     from concurrent.futures import Future, ThreadPoolExecutor
 
-    chunks = [
-        samples[start : start + section.samples_per_shard]
-        for start in range(0, len(samples), section.samples_per_shard)
-    ]
+    chunks = shard_chunks(samples, section.samples_per_shard)
     entries: list[dict[str, Any]] = [{} for _ in chunks]
     in_flight: list[tuple[int, Future]] = []
     computed = 0
@@ -358,7 +365,7 @@ def engine_shard(engine: Any, head: tuple[Any, Any], samples: list[dict[str, Any
     return tensors, None
 
 
-def _plan(records: list[dict[str, Any]], max_seq_len: int) -> list[dict[str, Any]]:
+def plan_samples(records: list[dict[str, Any]], max_seq_len: int) -> list[dict[str, Any]]:
     """Samples in a fixed order (longest first, then id) so shard contents never depend on timing."""
     samples = [
         {
@@ -381,7 +388,7 @@ def _read_inputs(section: ExtractParams, where: ExtractPaths) -> tuple[dict, lis
         raise ExpmanError(f"{where.generated / 'manifest.json'}: responses come from another verifier; rerun generate")
     contract = capture_contract(verifier_manifest["verifier"], section)
     records = read_responses(where.generated, section.split)
-    samples = _plan(records, section.max_seq_len)
+    samples = plan_samples(records, section.max_seq_len)
     if not samples:
         raise ExpmanError(f"{where.generated / 'manifest.json'}: no usable {section.split!r} responses to extract")
     upstream = {
@@ -425,8 +432,8 @@ def _totals(entries: list[dict], samples: list[dict], records: list[dict], hidde
 
 
 @contextlib.contextmanager
-def _shard_computer(
-    section: ExtractParams, contract: dict[str, Any], where: ExtractPaths, device: str, longest: int
+def shard_computer(
+    section: ExtractParams, contract: dict[str, Any], verifier: Path, device: str, longest: int
 ) -> Iterator:
     """A shard's samples -> its tensors, by ``extract.backend``; the verifier (or engine) loads on the first shard
     that needs computing and is released when the stage ends. ``longest``: the most tokens of any sample."""
@@ -438,7 +445,7 @@ def _shard_computer(
 
     def with_hooks(chunk: list[dict[str, Any]]) -> tuple:
         if not loaded:
-            model = load_verifier(where.verifier, device, dtype, section.gpus)
+            model = load_verifier(verifier, device, dtype, section.gpus)
             loaded.append(CaptureHooks(model, contract["aux_layers"], section.final_state))
         return extract_shard(loaded[0], chunk, section, device)
 
@@ -446,14 +453,14 @@ def _shard_computer(
         from expman.engines.vllm import VllmHiddenStates
 
         if not loaded:
-            head = load_verifier_head(where.verifier, device, dtype)
+            head = load_verifier_head(verifier, device, dtype)
             engine = VllmHiddenStates(
-                where.verifier,
+                verifier,
                 [*contract["aux_layers"], contract["final_layer"]],
                 device,
                 str(dtype).removeprefix("torch."),
                 section.tensor_parallel_size,
-                load_verifier_manifest(where.verifier)["trust_remote_code"],
+                load_verifier_manifest(verifier)["trust_remote_code"],
                 longest,
                 section.expert_parallel,
             )
@@ -486,6 +493,8 @@ def extract(params: Params, where: ExtractPaths) -> dict[str, Any]:
     contract, records, samples, upstream = _read_inputs(section, where)
     device = resolve_device(section.device)
     precision = precision_facts(device, section.dtype)
+    if params.train.features == "online":
+        return _record_online(section, contract, records, samples, upstream, precision, where)
     key = feature_key(contract, upstream, section.model_dump() | {"device": device, "dtype": precision["dtype"]})
     store = FeatureStore.default()
     with store.using(key):
@@ -515,6 +524,53 @@ def extract(params: Params, where: ExtractPaths) -> dict[str, Any]:
             }
             remove_stale_temps(where.out / "manifest.json")  # left by a kill during an earlier write
             return run.write_manifest(where.out / "manifest.json", facts)
+
+
+def online_plan(samples: list[dict[str, Any]], samples_per_shard: int) -> dict[str, Any]:
+    """What fixes the online shards: how many, of how many samples, and a digest of the samples' ids and lengths in
+    plan order (the train stage plans again from the responses and must arrive at the same)."""
+    return {
+        "shards": len(shard_chunks(samples, samples_per_shard)),
+        "samples_per_shard": samples_per_shard,
+        "samples_sha256": sha256_json([[s["id"], len(s["ids"]), s["prompt_tokens"]] for s in samples]),
+    }
+
+
+def _record_online(
+    section: ExtractParams,
+    contract: dict[str, Any],
+    records: list[dict],
+    samples: list[dict],
+    upstream: dict[str, Any],
+    precision: dict[str, Any],
+    where: ExtractPaths,
+) -> dict[str, Any]:
+    """``train.features: online``: no feature is computed or stored here. The manifest records the capture contract
+    and the shard plan from which the train and baseline stages compute each shard's states while they train."""
+    totals = {
+        "samples": len(samples),
+        "tokens": sum(len(s["ids"]) for s in samples),
+        "loss_tokens": sum(len(s["ids"]) - s["prompt_tokens"] for s in samples),
+        "truncated": sum(s["truncated"] for s in samples),
+        "skipped_prompt_too_long": len(records) - len(samples),
+    }
+    logged = section.model_dump() | {"resolved": precision, "features": "online"}
+    with stage_run("extract", logged, upstream) as run:
+        run.log_metrics({**totals, "storage.bytes": 0})
+        facts = {
+            "contract": contract,
+            "contract_sha256": sha256_json(contract),
+            "split": section.split,
+            "backend": section.backend,
+            "engine": _engine_version(section),
+            "precision": precision,
+            "features": {"mode": "online"},
+            "plan": online_plan(samples, section.samples_per_shard),
+            "totals": totals,
+            "storage": {"bytes": 0},
+        }
+        remove_stale_temps(where.out / "manifest.json")
+        return run.write_manifest(where.out / "manifest.json", facts)
 
 
 def planned_key(params: Params, where: ExtractPaths) -> str:
@@ -548,7 +604,8 @@ def _compute_set(
             run.log_metrics({"features_reused": 1})
             return store.published(key)
         total_tokens = sum(len(s["ids"]) for s in samples)
-        with _shard_computer(section, contract, where, device, max(len(s["ids"]) for s in samples)) as compute:
+        longest = max(len(s["ids"]) for s in samples)
+        with shard_computer(section, contract, where.verifier, device, longest) as compute:
             started = time.perf_counter()
             with tqdm(total=total_tokens, desc=f"extract ({section.backend})", unit="tok", unit_scale=True) as bar:
                 entries, computed_tokens = write_shards(compute, samples, section, contract, shards, device, bar.update)

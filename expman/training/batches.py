@@ -26,7 +26,7 @@ import threading
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -35,7 +35,7 @@ from expman.data.features import FeatureStore, feature_folder
 from expman.drafter.objective import Packed
 from expman.errors import ExpmanError
 
-__all__ = ["BatchFeed", "SampleRef", "ShardReader", "batch_plan", "index_samples", "split_samples"]
+__all__ = ["BatchFeed", "FeatureReader", "SampleRef", "ShardReader", "batch_plan", "index_samples", "split_samples"]
 
 PER_TOKEN = [name for name in TENSORS if name != "sample_offsets"]
 """The shard tensors a packed row is made of (``sample_offsets`` only locates the documents)."""
@@ -134,6 +134,14 @@ def reader_threads() -> int:
     return max(1, min(8, per_process))
 
 
+class FeatureReader(Protocol):
+    """What the feed reads shards through: ``ShardReader`` (stored shards) or ``OnlineFeatures`` (computed)."""
+
+    def read(self, shard: int) -> Future: ...
+
+    def close(self) -> None: ...
+
+
 class ShardReader:
     """Reads whole shards on a pool of threads; a shard's sha256 is checked against the manifest on its first read
     in this process, before any of its tensors is handed out."""
@@ -210,7 +218,7 @@ class BatchFeed:
 
     def __init__(
         self,
-        reader: ShardReader,
+        reader: FeatureReader,
         plan: list[list[SampleRef]],
         max_tokens: int,
         device: str,

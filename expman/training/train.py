@@ -34,7 +34,16 @@ from expman.paths import TrainPaths
 from expman.plots import TRAIN_FIGURE, train_figure, train_row, write_tables
 from expman.provenance import atomic_write, atomic_write_json, read_manifest, sha256_json, upstream_entry
 from expman.registry.tracking import StageRun, stage_run
-from expman.training.batches import BatchFeed, SampleRef, ShardReader, batch_plan, index_samples, split_samples
+from expman.training.batches import (
+    BatchFeed,
+    FeatureReader,
+    SampleRef,
+    ShardReader,
+    batch_plan,
+    index_samples,
+    split_samples,
+)
+from expman.training.online import OnlineFeatures, online_chunks, online_refs
 from expman.training.parallel import DataParallel
 
 __all__ = ["new_optimizer", "train", "training_step"]
@@ -235,7 +244,7 @@ def _check_inputs(verifier: dict, extract: dict, vocab: dict, paths: tuple[Path,
         raise ExpmanError(f"{paths[1]}: train needs pre_norm final states (extract.final_state)")
 
 
-def _evaluate(drafter, head, reader: ShardReader, batches, section, device) -> dict[str, float]:
+def _evaluate(drafter, head, reader: FeatureReader, batches, section, device) -> dict[str, float]:
     """Held-out loss, accuracies and simulated τ of ``batches``, weighted by their scored positions; under the
     training step's autocast (FSDP gathers the weights in its dtype, and the drafter is measured as it trains)."""
     totals: dict[str, float] = {}
@@ -272,9 +281,11 @@ class _Inputs:
     train_refs: list[SampleRef]
     val_refs: list[SampleRef]
     upstream: dict[str, Any]
+    online: list[list[dict[str, Any]]] | None
+    """With online features: each shard's samples, which the verifier computes the states of while training."""
 
 
-def _read_inputs(section: TrainParams, where: TrainPaths, sample_share: float) -> _Inputs:
+def _read_inputs(section: TrainParams, where: TrainPaths, sample_share: float, stage: str) -> _Inputs:
     manifests = {
         "prepare": (where.verifier / "manifest.json", read_manifest(where.verifier / "manifest.json", "prepare")),
         "extract": (where.extract / "manifest.json", read_manifest(where.extract / "manifest.json", "extract")),
@@ -282,12 +293,37 @@ def _read_inputs(section: TrainParams, where: TrainPaths, sample_share: float) -
     }
     _check_inputs(*(m for _, m in manifests.values()), tuple(p for p, _ in manifests.values()))
     extract_manifest = manifests["extract"][1]
+    online = _online_shards(section, where, extract_manifest, stage)
+    if online is not None:  # the responses are an input: the states are computed from them
+        manifests["generate"] = (where.generated / "manifest.json", None)
+    refs = index_samples(extract_manifest) if online is None else online_refs(online)
     # by prompt: the sampled copies of a prompt go where the prompt goes, so validation never sees a trained prompt
-    train_refs, val_refs = split_samples(index_samples(extract_manifest), section.val_fraction, sample_share, prompt_id)
+    train_refs, val_refs = split_samples(refs, section.val_fraction, sample_share, prompt_id)
     if not train_refs:
         raise ExpmanError(f"{where.extract / 'manifest.json'}: no training samples left after the validation split")
     upstream = {name: upstream_entry(path) for name, (path, _) in manifests.items()}
-    return _Inputs(manifests["prepare"][1], extract_manifest, train_refs, val_refs, upstream)
+    return _Inputs(manifests["prepare"][1], extract_manifest, train_refs, val_refs, upstream, online)
+
+
+def _online_shards(
+    section: TrainParams, where: TrainPaths, extract_manifest: dict[str, Any], stage: str
+) -> list[list[dict[str, Any]]] | None:
+    """The online shards' samples when extract recorded online features (None: stored ones); the train stage
+    refuses a manifest of the other kind than ``train.features`` asks for (the baseline follows the manifest)."""
+    mode = extract_manifest.get("features", {}).get("mode", "offline")
+    if stage == "train" and mode != section.features:
+        raise ExpmanError(
+            f"train.features: {section.features}, but {where.extract / 'manifest.json'} records {mode} features; "
+            "rerun dvc repro extract"
+        )
+    return online_chunks(extract_manifest, where.generated) if mode == "online" else None
+
+
+def _feature_reader(inputs: _Inputs, section: TrainParams, where: TrainPaths, device: str) -> FeatureReader:
+    """Where batches get their features: the stored shards, or the verifier computing them (online)."""
+    if inputs.online is None:
+        return ShardReader(inputs.extract)
+    return OnlineFeatures(inputs.extract, inputs.online, where.verifier, device, section.online_cache_gib)
 
 
 def _build_drafter(
@@ -367,6 +403,9 @@ def _write_outputs(
     if loop.peak_gib is not None:  # what each GPU had to hold: the number that says whether FSDP is needed
         facts["gpu_peak_gib"] = loop.peak_gib
         run.log_metrics({f"gpu{rank}/peak_gib": gib for rank, gib in enumerate(loop.peak_gib)})
+    if isinstance(loop.reader, OnlineFeatures):  # what computing the features cost (a time: the run, not the manifest)
+        computed = {"tokens": loop.reader.computed_tokens, "seconds": loop.reader.compute_seconds}
+        run.log_metrics({"online_features_tokens": computed["tokens"], "online_features_s": computed["seconds"]})
     recorded = finish(run, where.out) if finish is not None else None
     return run.write_manifest(where.out / "manifest.json", facts, recorded)
 
@@ -386,7 +425,7 @@ def train(
     The baseline stage reuses this with its own ``stage`` name, a ``sample_share`` of the training samples and a
     ``finish`` step (registration) that runs inside the same MLflow run and records facts in its provenance."""
 
-    inputs = _read_inputs(section, where, sample_share)
+    inputs = _read_inputs(section, where, sample_share, stage)
     device = resolve_device(section.device)
     section = section.resolved(dtype_name(section.dtype, device))
     parallel = DataParallel.from_env(device, section.fsdp)
@@ -402,7 +441,7 @@ def train(
     plan_key = _plan_key(section, parallel, sample_share, inputs.upstream)
     _remove_stale_temps(where)
     step, history = _resume(where.state, plan_key, drafter, optimizer, scheduler, noise, parallel, device)
-    reader = ShardReader(inputs.extract)
+    reader = _feature_reader(inputs, section, where, device)
     val_refs = inputs.val_refs
     val_batches = (
         batch_plan(val_refs, section.max_tokens, section.seed, VAL_EPOCH, section.shard_window) if val_refs else []
@@ -428,7 +467,7 @@ def train(
     return manifest
 
 
-def _feed(reader: ShardReader, plan: list[list[SampleRef]], section: TrainParams, device: str, pad_to=None):
+def _feed(reader: FeatureReader, plan: list[list[SampleRef]], section: TrainParams, device: str, pad_to=None):
     """The packed batches of ``plan`` in order, read and packed off this thread (see ``expman.training.batches``)."""
     return BatchFeed(
         reader, plan, section.max_tokens, device, pad_to, prefetch=section.prefetch, resident=2 * section.shard_window

@@ -1,0 +1,119 @@
+"""Online features (``train.features: online``): the verifier computes each shard's hidden states while the drafter
+trains, and nothing is written to disk.
+
+The shards are extract's own: the same samples in the same plan order, cut into the same shards
+(``extract.samples_per_shard``), computed by the same code (``expman.data.extract.shard_computer``: transformers
+hooks or the vLLM engine, by ``extract.backend``, in ``extract.dtype``), so a shard holds the bytes the offline shard
+would and the batch plan, the resume and the weights are those of an offline run on the same features. The
+verifier runs on the training device, in the training process (co-located), and loads on the first shard read.
+
+``OnlineFeatures`` stands where the offline ``ShardReader`` stands: ``read(shard)`` hands out a shard's tensors.
+With ``train.online_cache_gib`` computed shards stay in host memory (least recently used dropped first) so later
+epochs read them instead of computing them again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import OrderedDict
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+from expman.data.extract import online_plan, plan_samples, shard_chunks, shard_computer
+from expman.data.generate import read_responses
+from expman.errors import ExpmanError
+from expman.params import ExtractParams
+from expman.training.batches import SampleRef
+
+__all__ = ["OnlineFeatures", "online_chunks", "online_refs"]
+
+
+def _extract_section(manifest: dict[str, Any]) -> ExtractParams:
+    """The extract params the manifest was written under (without what the stage resolved and logged beside them)."""
+    return ExtractParams(**{k: v for k, v in manifest["params"].items() if k in ExtractParams.model_fields})
+
+
+def online_chunks(manifest: dict[str, Any], generated: Path) -> list[list[dict[str, Any]]]:
+    """The shards' samples, planned again from the responses as extract planned them; refused when the responses
+    are not the ones extract recorded the plan of."""
+    section = _extract_section(manifest)
+    samples = plan_samples(read_responses(generated, section.split), section.max_seq_len)
+    if online_plan(samples, section.samples_per_shard) != manifest["plan"]:
+        raise ExpmanError(
+            f"{generated}: the responses differ from those data/extract/manifest.json planned online features for; "
+            "rerun dvc repro extract"
+        )
+    return shard_chunks(samples, section.samples_per_shard)
+
+
+def online_refs(chunks: list[list[dict[str, Any]]]) -> list[SampleRef]:
+    """Every document of every online shard, as ``index_samples`` lists those of stored shards."""
+    return [
+        SampleRef(shard, index, sample["id"], len(sample["ids"]))
+        for shard, samples in enumerate(chunks)
+        for index, sample in enumerate(samples)
+    ]
+
+
+class OnlineFeatures:
+    """Each shard's tensors computed by the verifier when read (or taken from the host cache)."""
+
+    def __init__(
+        self,
+        manifest: dict[str, Any],
+        chunks: list[list[dict[str, Any]]],
+        verifier: Path,
+        device: str,
+        cache_gib: float,
+    ):
+        self.chunks = chunks
+        section = _extract_section(manifest)
+        longest = max(len(sample["ids"]) for samples in chunks for sample in samples)
+        self.stack = contextlib.ExitStack()
+        self.compute = self.stack.enter_context(
+            shard_computer(section, manifest["contract"], verifier, device, longest)
+        )
+        self.cache: OrderedDict[int, dict[str, Any]] = OrderedDict()
+        self.cache_limit = int(cache_gib * 2**30)
+        self.cache_bytes = 0
+        self.computed_tokens = 0
+        self.compute_seconds = 0.0
+
+    def read(self, shard: int) -> Future:
+        """A future of the shard's tensors, computed in the calling thread (on CUDA, the feed's packer thread, so
+        the forward runs beside the training step; on the CPU, the training thread, which owns the cores)."""
+        future: Future = Future()
+        try:
+            future.set_result(self._tensors(shard))
+        except BaseException as err:  # raised where the feed asks for the result, as a failed read is
+            future.set_exception(err)
+        return future
+
+    def _tensors(self, shard: int) -> dict[str, Any]:
+        if shard in self.cache:
+            self.cache.move_to_end(shard)
+            return self.cache[shard]
+        started = time.perf_counter()
+        tensors, copied = self.compute(self.chunks[shard])
+        if copied is not None:  # the host copies of a GPU forward are complete only after this event
+            copied.synchronize()
+        self.compute_seconds += time.perf_counter() - started
+        self.computed_tokens += int(tensors["input_ids"].numel())
+        self._keep(shard, tensors)
+        return tensors
+
+    def _keep(self, shard: int, tensors: dict[str, Any]) -> None:
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        if size > self.cache_limit:
+            return
+        self.cache[shard] = tensors
+        self.cache_bytes += size
+        while self.cache_bytes > self.cache_limit:
+            _, dropped = self.cache.popitem(last=False)
+            self.cache_bytes -= sum(t.numel() * t.element_size() for t in dropped.values())
+
+    def close(self) -> None:
+        self.cache.clear()
+        self.stack.close()

@@ -1,0 +1,186 @@
+"""Online features (train.features: online): extract stores nothing, train computes each shard's states with the
+verifier while it trains, and gets the bytes, the plan and the weights an offline run gets."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from mlflow import MlflowClient
+from safetensors.torch import load_file
+
+import expman.training.train as train_module
+from expman import paths
+from expman.data.extract import extract, load_shard
+from expman.data.features import FeatureStore
+from expman.errors import ExpmanError
+from expman.params import load_params
+from expman.paths import ExtractPaths, TrainPaths
+from expman.training.batches import index_samples
+from expman.training.online import OnlineFeatures, online_chunks, online_refs
+from expman.training.train import train
+from tests.test_pipeline import run_until
+
+
+def _set(section: str, **values) -> None:
+    params = yaml.safe_load(Path("params.yaml").read_text())
+    params.setdefault(section, {}).update(values)
+    Path("params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+
+
+def _extract() -> dict:
+    return extract(load_params("params.yaml"), ExtractPaths.default())
+
+
+def _train() -> dict:
+    return train(load_params("params.yaml").train, TrainPaths.default())
+
+
+def _store_files() -> dict[str, int]:
+    root = FeatureStore.default().root
+    return {str(p.relative_to(root)): p.stat().st_size for p in root.rglob("*") if p.is_file()}
+
+
+def _weights() -> dict[str, torch.Tensor]:
+    return load_file(str(paths.DRAFTER / "model.safetensors"))
+
+
+def _clear_train_outputs(project: Path) -> None:
+    for folder in (paths.DRAFTER, paths.TRAIN_STATE, paths.TRAIN_PLOTS):
+        shutil.rmtree(project / folder, ignore_errors=True)
+
+
+def test_online_shards_are_the_stored_shards(project: Path) -> None:
+    """Every online shard holds the tensors of the offline shard of the same index, bit for bit, and the documents
+    are listed in the same order; extract with online features writes no feature."""
+    run_until("extract")
+    offline = json.loads((paths.EXTRACT / "manifest.json").read_text())
+    stored = [load_shard(offline, index) for index in range(len(offline["shards"]))]
+    before = _store_files()
+
+    _set("train", features="online")
+    manifest = _extract()
+    assert manifest["features"] == {"mode": "online"} and "shards" not in manifest
+    assert manifest["contract"] == offline["contract"] and manifest["totals"] == offline["totals"]
+    assert manifest["storage"] == {"bytes": 0} and _store_files() == before
+
+    chunks = online_chunks(manifest, paths.GENERATED)
+    assert online_refs(chunks) == index_samples(offline)
+    reader = OnlineFeatures(manifest, chunks, paths.VERIFIER, "cpu", cache_gib=0)
+    try:
+        for index, tensors in enumerate(stored):
+            computed = reader.read(index).result()
+            assert computed.keys() == tensors.keys()
+            for name, tensor in tensors.items():
+                assert computed[name].dtype == tensor.dtype and torch.equal(computed[name], tensor), (index, name)
+    finally:
+        reader.close()
+
+
+def test_online_training_equals_offline_training(project: Path) -> None:
+    """Same features, same plan: the drafter trained online has the offline drafter's weights and curves, the
+    states were computed from the responses (an input of the run), and no feature was written."""
+    run_until("vocab")
+    _train()
+    offline_weights = _weights()
+    offline_curve = (paths.TRAIN_PLOTS / "steps.csv").read_text()
+    _clear_train_outputs(project)
+
+    _set("train", features="online")
+    _extract()
+    before = _store_files()
+    manifest = _train()
+    assert _store_files() == before
+    assert "generate" in manifest["upstream"]
+    online_weights = _weights()
+    assert online_weights.keys() == offline_weights.keys()
+    for name, tensor in offline_weights.items():
+        assert torch.equal(online_weights[name], tensor), name
+    assert (paths.TRAIN_PLOTS / "steps.csv").read_text() == offline_curve
+    run = manifest["provenance"]["mlflow_run_id"]
+    tokens = MlflowClient().get_metric_history(run, "online_features_tokens")
+    assert tokens and tokens[-1].value > 0
+
+
+def test_the_host_cache_computes_each_shard_once(project: Path) -> None:
+    """Without the cache every read computes (two epochs and the held-out passes: several times the samples'
+    tokens); with room for every shard, each is computed once."""
+    run_until("vocab")
+    _set("train", features="online")
+    manifest = _extract()
+    total = manifest["totals"]["tokens"]
+    run = _train()["provenance"]["mlflow_run_id"]
+    assert MlflowClient().get_metric_history(run, "online_features_tokens")[-1].value > total
+    _clear_train_outputs(project)
+    _set("train", online_cache_gib=1.0)
+    run = _train()["provenance"]["mlflow_run_id"]
+    assert MlflowClient().get_metric_history(run, "online_features_tokens")[-1].value == total
+
+
+def test_a_killed_online_train_resumes_bit_identical(project: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run_until("vocab")
+    _set("train", features="online")
+    _extract()
+    _train()
+    uninterrupted = _weights()
+    _clear_train_outputs(project)
+
+    real = train_module.ttt_loss
+    calls = []
+
+    def crash(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 9:  # in epoch 1, past a checkpoint (states are saved every 3 steps)
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, "ttt_loss", crash)
+    with pytest.raises(KeyboardInterrupt):
+        _train()
+    assert not (project / paths.DRAFTER).exists()
+    monkeypatch.setattr(train_module, "ttt_loss", real)
+    _train()
+    resumed = _weights()
+    for name, tensor in uninterrupted.items():
+        assert torch.equal(resumed[name], tensor), name
+
+
+def test_train_refuses_features_of_the_other_kind(project: Path) -> None:
+    run_until("vocab")
+    _set("train", features="online")
+    with pytest.raises(ExpmanError, match=r"^train.features: online, but data/extract/manifest.json records offline"):
+        _train()
+    _extract()
+    _set("train", features="offline")
+    with pytest.raises(ExpmanError, match=r"^train.features: offline, but .* records online features; rerun dvc"):
+        _train()
+    assert not paths.DRAFTER.exists()
+
+
+def test_changed_responses_are_refused_by_name(project: Path) -> None:
+    run_until("vocab")
+    _set("train", features="online")
+    manifest = _extract()
+    manifest["plan"]["samples_sha256"] = "0" * 64
+    with pytest.raises(ExpmanError, match="the responses differ from those data/extract/manifest.json planned"):
+        online_chunks(manifest, paths.GENERATED)
+
+
+def test_doctor_counts_no_feature_bytes_online(project: Path) -> None:
+    from expman.doctor import check_disk
+
+    _set("train", features="online")
+    [finding] = check_disk(load_params("params.yaml"))
+    assert (finding.level, finding.message) == ("ok", "train.features: online: extract stores no features")
+
+
+def test_the_baseline_follows_train_features(project: Path) -> None:
+    _set("baseline", train={"epochs": 1, "features": "online"})
+    with pytest.raises(
+        ExpmanError, match="^params.yaml: baseline.train: features is not set here: the baseline follows"
+    ):
+        load_params("params.yaml")
