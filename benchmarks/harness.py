@@ -20,6 +20,7 @@ import functools
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -252,6 +253,37 @@ def arm_key(done: dict[str, Any], arm: str) -> str:
     ``--arms`` (interleaved against machine drift) keeps every run instead of overwriting the first."""
     runs = sum(key.partition("#")[0] == arm for key in done)
     return f"{arm}#{runs + 1}" if runs else arm
+
+
+RUNNING_STAGE = re.compile(r"Running stage '(\w+)'")
+
+
+def timed_dvc(args: list[str], cwd: Path, env: dict[str, str]) -> tuple[float, dict[str, float]]:
+    """A dvc command's seconds, and each stage's as DVC runs it: from its ``Running stage`` line to the next (or the
+    end), so the stage's process start-up and DVC hashing and caching its outputs count, as a user waits for them."""
+    from collections import deque
+
+    marks: list[tuple[str, float]] = []
+    tail: deque[str] = deque(maxlen=100)
+    started = time.monotonic()
+    command = [sys.executable, "-m", "dvc", *args]
+    with subprocess.Popen(
+        command,
+        cwd=cwd,
+        env=env | {"PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    ) as process:
+        for line in process.stdout:
+            tail.append(line)
+            if match := RUNNING_STAGE.search(line):
+                marks.append((match.group(1), time.monotonic()))
+    ended = time.monotonic()
+    if process.returncode:
+        raise click.ClickException(f"dvc {' '.join(args)} failed in {cwd}:\n{''.join(tail)}")
+    ends = [at for _, at in marks[1:]] + [ended] * bool(marks)
+    return ended - started, {stage: end - start for (stage, start), end in zip(marks, ends, strict=True)}
 
 
 def write_report(path: Path | None, report: dict[str, Any], *, machine: bool = True) -> None:

@@ -24,18 +24,15 @@ import sqlite3
 import subprocess
 import sys
 import time
-from collections import deque
 from datetime import datetime
 from pathlib import Path
-from subprocess import PIPE, STDOUT
 
 import click
-from harness import header, write_report
+from harness import RUNNING_STAGE, header, timed_dvc, write_report
 
 REPO = Path(__file__).resolve().parents[1]
 GRAPH = ("prepare", "generate", "extract", "vocab", "baseline", "train", "evaluate", "benchmark", "register")
 DOWNSTREAM = ("train", "evaluate", "benchmark", "register")
-RUNNING = re.compile(r"Running stage '(\w+)'")
 WORKER_LINE = re.compile(
     r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}): .*run_exp\[([0-9a-f-]+)\] (received|succeeded in ([0-9.]+)s)"
 )
@@ -62,24 +59,6 @@ def _run(args: list[str], clone: Path) -> str:
 
 def _dvc(clone: Path, *args: str) -> str:
     return _run([sys.executable, "-m", "dvc", *args], clone)
-
-
-def _timed_repro(clone: Path) -> tuple[float, dict[str, float]]:
-    """``dvc repro``'s seconds, and each stage's as DVC runs it: from its ``Running stage`` line to the next."""
-    marks: list[tuple[str, float]] = []
-    tail: deque[str] = deque(maxlen=100)
-    started = time.monotonic()
-    command = [sys.executable, "-m", "dvc", "repro"]
-    with subprocess.Popen(command, cwd=clone, env=_env(clone), stdout=PIPE, stderr=STDOUT, text=True) as process:
-        for line in process.stdout:
-            tail.append(line)
-            if match := RUNNING.search(line):
-                marks.append((match.group(1), time.monotonic()))
-    ended = time.monotonic()
-    if process.returncode:
-        raise click.ClickException(f"dvc repro failed in {clone}:\n{''.join(tail)}")
-    ends = [at for _, at in marks[1:]] + [ended] * bool(marks)
-    return ended - started, {stage: end - start for (stage, start), end in zip(marks, ends, strict=True)}
 
 
 def _stage_spans(clone: Path) -> dict[str | None, dict[str, float]]:
@@ -142,7 +121,7 @@ def sweep(rev: str, work: Path, rates: list[str], jobs: int) -> dict:
     subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True)
     _run(["git", "checkout", "-q", rev], clone)
     sha = _run(["git", "rev-parse", "HEAD"], clone).strip()
-    repro_seconds, stage_seconds = _timed_repro(clone)
+    repro_seconds, stage_seconds = timed_dvc(["repro"], clone, _env(clone))
     workspace_spans = _stage_spans(clone).get(None, {})
     _run(["git", "add", "-A"], clone)
     _run(["git", "commit", "-qm", "workspace run"], clone)
@@ -161,7 +140,7 @@ def sweep(rev: str, work: Path, rates: list[str], jobs: int) -> dict:
     span_budget = sum(workspace_spans.get(stage, 0.0) for stage in DOWNSTREAM)
     experiments = {}
     for name, task in zip(names, tasks, strict=False):  # the queue runs experiments in the order they were queued
-        ran = RUNNING.findall(_dvc(clone, "queue", "logs", name))
+        ran = RUNNING_STAGE.findall(_dvc(clone, "queue", "logs", name))
         row = next((row for row in status.splitlines() if f" {name} " in f" {row} "), "")
         seconds = task.get("seconds", float("nan"))
         cost = seconds + queue_share if jobs == 1 else seconds
