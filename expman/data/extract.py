@@ -486,7 +486,7 @@ def extract(params: Params, where: ExtractPaths) -> dict[str, Any]:
     contract, records, samples, upstream = _read_inputs(section, where)
     device = resolve_device(section.device)
     precision = precision_facts(device, section.dtype)
-    key = feature_key(contract, upstream, section.model_dump() | {"device": device, "dtype": precision["dtype"]})
+    key = _set_key(section, contract, upstream, device, precision["dtype"])
     store = FeatureStore.default()
     with store.using(key):
         published = store.published(key)
@@ -525,7 +525,11 @@ def planned_key(params: Params, where: ExtractPaths) -> str:
     section = params.extract
     contract, _, _, upstream = _read_inputs(section, where)
     device = resolve_device(section.device)
-    dtype = precision_facts(device, section.dtype)["dtype"]
+    return _set_key(section, contract, upstream, device, precision_facts(device, section.dtype)["dtype"])
+
+
+def _set_key(section: ExtractParams, contract: dict, upstream: dict, device: str, dtype: str) -> str:
+    """The feature set's key: the contract, the inputs, and the extract params with device and dtype resolved."""
     return feature_key(contract, upstream, section.model_dump() | {"device": device, "dtype": dtype})
 
 
