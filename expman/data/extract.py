@@ -495,7 +495,7 @@ def extract(params: Params, where: ExtractPaths) -> dict[str, Any]:
     precision = precision_facts(device, section.dtype)
     if params.train.features == "online":
         return _record_online(section, contract, records, samples, upstream, precision, where)
-    key = feature_key(contract, upstream, section.model_dump() | {"device": device, "dtype": precision["dtype"]})
+    key = _set_key(section, contract, upstream, device, precision["dtype"])
     store = FeatureStore.default()
     with store.using(key):
         published = store.published(key)
@@ -581,7 +581,11 @@ def planned_key(params: Params, where: ExtractPaths) -> str:
     section = params.extract
     contract, _, _, upstream = _read_inputs(section, where)
     device = resolve_device(section.device)
-    dtype = precision_facts(device, section.dtype)["dtype"]
+    return _set_key(section, contract, upstream, device, precision_facts(device, section.dtype)["dtype"])
+
+
+def _set_key(section: ExtractParams, contract: dict, upstream: dict, device: str, dtype: str) -> str:
+    """The feature set's key: the contract, the inputs, and the extract params with device and dtype resolved."""
     return feature_key(contract, upstream, section.model_dump() | {"device": device, "dtype": dtype})
 
 
