@@ -88,13 +88,7 @@ def write_project(
     save_streamed({k: v.to(torch.bfloat16).cpu() for k, v in head.items()}, where.verifier / "model.safetensors", {})
     atomic_write_json(where.verifier / "manifest.json", {"stage": "prepare", "verifier": verifier})
 
-    draft = DRAFT_VOCAB[device]
-    chosen = torch.randperm(vocab, generator=torch.Generator().manual_seed(0))[:draft].sort().values
-    t2d = torch.zeros(vocab, dtype=torch.bool)
-    t2d[chosen] = True
-    where.vocab.mkdir(parents=True)
-    save_streamed({"d2t": chosen - torch.arange(draft), "t2d": t2d}, where.vocab / "vocab.safetensors", {})
-    atomic_write_json(where.vocab / "manifest.json", {"stage": "vocab", "verifier": verifier})
+    write_vocab(where.vocab, verifier, DRAFT_VOCAB[device])
 
     aux_layers = [2, shape["num_hidden_layers"] // 2, shape["num_hidden_layers"] - 3]
     contract = {"verifier": verifier, "aux_layers": aux_layers, "final_state": "pre_norm", "dtype": "bfloat16"}
@@ -133,6 +127,17 @@ def write_project(
         "tokens": shard_count * per_shard * document,
         "bytes_per_token": stored / (shard_count * per_shard * document),
     }
+
+
+def write_vocab(folder: Path, verifier: dict, draft: int) -> None:
+    """A draft vocab of ``draft`` verifier tokens drawn at random (seeded), with the vocab stage's manifest."""
+    vocab = verifier["vocab_size"]
+    chosen = torch.randperm(vocab, generator=torch.Generator().manual_seed(0))[:draft].sort().values
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[chosen] = True
+    folder.mkdir(parents=True)
+    save_streamed({"d2t": chosen - torch.arange(draft), "t2d": t2d}, folder / "vocab.safetensors", {})
+    atomic_write_json(folder / "manifest.json", {"stage": "vocab", "verifier": verifier})
 
 
 def drop_page_cache(folder: Path) -> str:
@@ -184,8 +189,9 @@ def read_rates(root: Path) -> dict:
     return {"reader_threads": reader_threads(), "cold_read_gib_s": disk / 2**30, "cold_checked_gib_s": checked / 2**30}
 
 
-def run_stage(root: Path, section: TrainParams) -> dict:
-    """``train()`` in ``root`` (MLflow on root/mlflow.db); the per-epoch rates it logged, read back from MLflow."""
+def run_stage(root: Path, section: TrainParams, where: TrainPaths | None = None) -> dict:
+    """``train()`` in ``root`` (MLflow on root/mlflow.db; its paths ``where``, by default ``bench_paths(root)``);
+    the per-epoch rates it logged, read back from MLflow."""
     from mlflow import MlflowClient
 
     from expman.training.train import train
@@ -197,7 +203,7 @@ def run_stage(root: Path, section: TrainParams) -> dict:
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         started = time.perf_counter()
-        manifest = train(section, bench_paths(root))
+        manifest = train(section, where or bench_paths(root))
         seconds = time.perf_counter() - started
     finally:
         os.chdir(here)
