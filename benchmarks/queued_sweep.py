@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -118,6 +119,7 @@ def _run_queue(clone: Path, names: list[str], jobs: int) -> tuple[float, dict[st
 
 def sweep(rev: str, work: Path, rates: list[str], jobs: int) -> dict:
     clone = work / rev
+    shutil.rmtree(clone, ignore_errors=True)  # an earlier run's clone of the same rev
     subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True)
     _run(["git", "checkout", "-q", rev], clone)
     sha = _run(["git", "rev-parse", "HEAD"], clone).strip()
