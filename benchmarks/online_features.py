@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -82,6 +83,7 @@ def _mode(clone: Path, args: list[str]) -> dict:
 def main(rev: str, work: Path, out: Path | None) -> None:
     """The default graph offline, then online, in one fresh clone at REV."""
     clone = work / rev
+    shutil.rmtree(clone, ignore_errors=True)  # an earlier run's clone of the same rev
     subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True)
     subprocess.run(["git", "checkout", "-q", rev], cwd=clone, check=True)
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=clone, capture_output=True, text=True).stdout.strip()
