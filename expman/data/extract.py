@@ -160,24 +160,27 @@ def _batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
     return batches
 
 
-def extract_shard(capture: CaptureHooks, samples: list[dict[str, Any]], section: ExtractParams, device: str) -> tuple:
-    """Run the verifier over one shard's samples; return its tensors and, on CUDA, the event after which their host
+def extract_shard(
+    capture: CaptureHooks, samples: list[dict[str, Any]], section: ExtractParams, device: str, keep: bool = False
+) -> tuple:
+    """Run the verifier over one shard's samples; return its tensors and, on CUDA, the event after which their
     copies are complete (None on CPU).
 
     On CUDA the states go straight from each batch's valid rows into one pinned host tensor per shard, by
     asynchronous copies queued behind the forward: the GPU never waits for the host, and the host never blocks on
-    the GPU, so the next batch (and the next shard) computes while earlier ones are copied and written."""
+    the GPU, so the next batch (and the next shard) computes while earlier ones are copied and written. With
+    ``keep`` (online features, which train on them) they stay on ``device`` instead, token ids and loss mask too:
+    no round trip through the host."""
     import torch
 
     lengths = [len(s["ids"]) for s in samples]
     offsets = torch.tensor([0, *lengths]).cumsum(0)
     on_gpu = torch.device(device).type == "cuda"
     hidden = capture.base.config.hidden_size
-    aux_host = torch.empty(
-        (int(offsets[-1]), len(capture.aux_layers) * hidden), dtype=torch.bfloat16, pin_memory=on_gpu
-    )
-    final_host = torch.empty((int(offsets[-1]), hidden), dtype=torch.bfloat16, pin_memory=on_gpu)
-    top1_host = torch.empty(int(offsets[-1]), dtype=torch.int32, pin_memory=on_gpu)
+    held = {"device": device} if keep and on_gpu else {"pin_memory": on_gpu}
+    aux_host = torch.empty((int(offsets[-1]), len(capture.aux_layers) * hidden), dtype=torch.bfloat16, **held)
+    final_host = torch.empty((int(offsets[-1]), hidden), dtype=torch.bfloat16, **held)
+    top1_host = torch.empty(int(offsets[-1]), dtype=torch.int32, **held)
     for batch in _batches(lengths, section.batch_tokens):
         width = lengths[batch[0]]
         ids = torch.zeros((len(batch), width), dtype=torch.long)
@@ -196,8 +199,11 @@ def extract_shard(capture: CaptureHooks, samples: list[dict[str, Any]], section:
     if on_gpu:  # the copies were queued on the stream of the device the states are on
         copied = torch.cuda.Event()
         copied.record(torch.cuda.current_stream(aux.device))
+    tokens = _token_tensors(samples, offsets)
+    if keep and on_gpu:  # sample_offsets stays on the host: the feed reads document bounds from it
+        tokens |= {name: tokens[name].to(device) for name in ("input_ids", "loss_mask")}
     tensors = {
-        **_token_tensors(samples, offsets),
+        **tokens,
         "aux_hidden_states": aux_host,
         "final_hidden_states": final_host,
         "verifier_top1": top1_host,
@@ -433,10 +439,11 @@ def _totals(entries: list[dict], samples: list[dict], records: list[dict], hidde
 
 @contextlib.contextmanager
 def shard_computer(
-    section: ExtractParams, contract: dict[str, Any], verifier: Path, device: str, longest: int
+    section: ExtractParams, contract: dict[str, Any], verifier: Path, device: str, longest: int, keep: bool = False
 ) -> Iterator:
     """A shard's samples -> its tensors, by ``extract.backend``; the verifier (or engine) loads on the first shard
-    that needs computing and is released when the stage ends. ``longest``: the most tokens of any sample."""
+    that needs computing and is released when the stage ends. ``longest``: the most tokens of any sample. ``keep``:
+    the hooks' states stay on the GPU (online features; the engine hands its states to the host either way)."""
     from expman.data.verifier import load_verifier, load_verifier_head, load_verifier_manifest
     from expman.devices import resolve_dtype
 
@@ -447,7 +454,7 @@ def shard_computer(
         if not loaded:
             model = load_verifier(verifier, device, dtype, section.gpus)
             loaded.append(CaptureHooks(model, contract["aux_layers"], section.final_state))
-        return extract_shard(loaded[0], chunk, section, device)
+        return extract_shard(loaded[0], chunk, section, device, keep)
 
     def with_engine(chunk: list[dict[str, Any]]) -> tuple:
         from expman.engines.vllm import VllmHiddenStates

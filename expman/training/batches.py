@@ -191,18 +191,35 @@ class _Staging:
         """The documents packed into the first ``length`` tokens (the tail past them padded as ``Packed.padded``)."""
         if self.copied is not None:
             self.copied.synchronize()
-        used = sum(len(d["input_ids"]) for d in documents)
-        rows = {name: row[:length] for name, row in self.rows.items()}
-        for name in PER_TOKEN:
-            torch.cat([d[name] for d in documents], out=rows[name][:used])
-        sizes = torch.tensor([len(d["input_ids"]) for d in documents])
-        ids = torch.arange(len(documents), dtype=torch.int32).repeat_interleave(sizes)
-        rows["document_ids"][:used] = ids
-        starts = torch.cumsum(sizes, 0) - sizes
-        rows["position_ids"][:used] = torch.arange(used, dtype=torch.int32) - starts.repeat_interleave(sizes)
-        for name, row in rows.items():
-            row[used:] = self.FILL.get(name, 0)
-        return rows
+        return _fill({name: row[:length] for name, row in self.rows.items()}, documents)
+
+
+def _fill(rows: dict[str, torch.Tensor], documents: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """``rows`` (one per packed tensor, on the host or the device) filled with the documents, then padding."""
+    used = sum(len(d["input_ids"]) for d in documents)
+    for name in PER_TOKEN:
+        torch.cat([d[name] for d in documents], out=rows[name][:used])
+    sizes = torch.tensor([len(d["input_ids"]) for d in documents])
+    ids = torch.arange(len(documents), dtype=torch.int32).repeat_interleave(sizes)
+    rows["document_ids"][:used] = ids
+    starts = torch.cumsum(sizes, 0) - sizes
+    rows["position_ids"][:used] = torch.arange(used, dtype=torch.int32) - starts.repeat_interleave(sizes)
+    for name, row in rows.items():
+        row[used:] = _Staging.FILL.get(name, 0)
+    return rows
+
+
+def _packed(rows: dict[str, torch.Tensor]) -> Packed:
+    """Packed rows (on the device) as the training step takes them: one batch row, ids and targets as int64."""
+    return Packed(
+        aux=rows["aux_hidden_states"][None],
+        final=rows["final_hidden_states"][None],
+        top1=rows["verifier_top1"].long()[None],
+        input_ids=rows["input_ids"].long()[None],
+        loss_mask=rows["loss_mask"][None],
+        document_ids=rows["document_ids"].long()[None],
+        position_ids=rows["position_ids"].long()[None],
+    )
 
 
 class BatchFeed:
@@ -308,6 +325,8 @@ class BatchFeed:
             if stream is None:
                 batch = Packed.of(documents)
                 item = (batch.padded(self.pad_to) if self.pad_to else batch), None
+            elif any(d["aux_hidden_states"].is_cuda for d in documents):
+                item = self._on_device(documents), None
             else:
                 if not staging:
                     staging = [_Staging(documents[0], self.pad_to or self.max_tokens) for _ in range(2)]
@@ -322,16 +341,22 @@ class BatchFeed:
         length = self.pad_to or sum(len(d["input_ids"]) for d in documents)
         rows = staging.pack(documents, length)
         with torch.cuda.stream(stream):
-            moved = {name: row.to(self.device, non_blocking=True) for name, row in rows.items()}
-            batch = Packed(
-                aux=moved["aux_hidden_states"][None],
-                final=moved["final_hidden_states"][None],
-                top1=moved["verifier_top1"].long()[None],
-                input_ids=moved["input_ids"].long()[None],
-                loss_mask=moved["loss_mask"][None],
-                document_ids=moved["document_ids"].long()[None],
-                position_ids=moved["position_ids"].long()[None],
-            )
+            batch = _packed({name: row.to(self.device, non_blocking=True) for name, row in rows.items()})
             staging.copied = torch.cuda.Event()
             staging.copied.record(stream)
         return batch, staging.copied
+
+    def _on_device(self, documents: list[dict[str, torch.Tensor]]) -> Packed:
+        """Documents whose states are on the GPU already (online features) packed there, on this thread's stream
+        (the one the states were computed on): no host round trip. Documents read from the host (a cached online
+        shard beside a fresh one) are copied up first."""
+        length = self.pad_to or sum(len(d["input_ids"]) for d in documents)
+        documents = [{name: d[name].to(self.device, non_blocking=True) for name in PER_TOKEN} for d in documents]
+        example = documents[0]
+        rows = {
+            name: torch.empty((length, *example[name].shape[1:]), dtype=example[name].dtype, device=self.device)
+            for name in PER_TOKEN
+        }
+        for name in ("document_ids", "position_ids"):
+            rows[name] = torch.empty(length, dtype=torch.int32, device=self.device)
+        return _packed(_fill(rows, documents))

@@ -73,7 +73,7 @@ class OnlineFeatures:
         longest = max(len(sample["ids"]) for samples in chunks for sample in samples)
         self.stack = contextlib.ExitStack()
         self.compute = self.stack.enter_context(
-            shard_computer(section, manifest["contract"], verifier, device, longest)
+            shard_computer(section, manifest["contract"], verifier, device, longest, keep=True)
         )
         self.cache: OrderedDict[int, dict[str, Any]] = OrderedDict()
         self.cache_limit = int(cache_gib * 2**30)
@@ -83,7 +83,8 @@ class OnlineFeatures:
 
     def read(self, shard: int) -> Future:
         """A future of the shard's tensors, computed in the calling thread (on CUDA, the feed's packer thread, so
-        the forward runs beside the training step; on the CPU, the training thread, which owns the cores)."""
+        the forward runs beside the training step, and the states stay on the GPU, where the feed packs them; on
+        the CPU, the training thread, which owns the cores)."""
         future: Future = Future()
         try:
             future.set_result(self._tensors(shard))
@@ -97,7 +98,7 @@ class OnlineFeatures:
             return self.cache[shard]
         started = time.perf_counter()
         tensors, copied = self.compute(self.chunks[shard])
-        if copied is not None:  # the host copies of a GPU forward are complete only after this event
+        if copied is not None:  # the states of a GPU forward are complete only after this event
             copied.synchronize()
         self.compute_seconds += time.perf_counter() - started
         self.computed_tokens += int(tensors["input_ids"].numel())
@@ -105,10 +106,11 @@ class OnlineFeatures:
         return tensors
 
     def _keep(self, shard: int, tensors: dict[str, Any]) -> None:
+        """Into the host cache (states computed on a GPU are copied down), when the shard fits its bound."""
         size = sum(t.numel() * t.element_size() for t in tensors.values())
         if size > self.cache_limit:
             return
-        self.cache[shard] = tensors
+        self.cache[shard] = {name: tensor.cpu() for name, tensor in tensors.items()}
         self.cache_bytes += size
         while self.cache_bytes > self.cache_limit:
             _, dropped = self.cache.popitem(last=False)
