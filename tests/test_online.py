@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -17,10 +18,11 @@ import expman.training.train as train_module
 from expman import paths
 from expman.data.extract import extract, load_shard
 from expman.data.features import FeatureStore
+from expman.drafter.objective import Packed
 from expman.errors import ExpmanError
 from expman.params import load_params
 from expman.paths import ExtractPaths, TrainPaths
-from expman.training.batches import index_samples
+from expman.training.batches import BatchFeed, batch_plan, index_samples
 from expman.training.online import OnlineFeatures, online_chunks, online_refs
 from expman.training.train import train
 from tests.test_pipeline import run_until
@@ -184,3 +186,44 @@ def test_the_baseline_follows_train_features(project: Path) -> None:
         ExpmanError, match="^params.yaml: baseline.train: features is not set here: the baseline follows"
     ):
         load_params("params.yaml")
+
+
+class _Computed:
+    """A feature reader over shards already computed (the feed's packing compared alone)."""
+
+    def __init__(self, shards: dict[int, dict[str, torch.Tensor]]):
+        self.shards = shards
+
+    def read(self, shard: int) -> Future:
+        future: Future = Future()
+        future.set_result(self.shards[shard])
+        return future
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.gpu
+def test_on_cuda_online_states_stay_on_the_gpu_and_pack_as_host_ones(project: Path) -> None:
+    """On CUDA the verifier's states, ids and mask stay on the GPU and the feed packs them there; the batches equal
+    those the feed makes of the same shards through the host (pinned staging, copy to the device)."""
+    run_until("vocab")
+    _set("train", features="online")
+    manifest = _extract()
+    chunks = online_chunks(manifest, paths.GENERATED)
+    reader = OnlineFeatures(manifest, chunks, paths.VERIFIER, "cuda", cache_gib=0)
+    try:
+        computed = {shard: reader.read(shard).result() for shard in range(len(chunks))}
+    finally:
+        reader.close()
+    for tensors in computed.values():
+        assert all(tensors[name].is_cuda for name in ("aux_hidden_states", "final_hidden_states", "input_ids"))
+        assert not tensors["sample_offsets"].is_cuda
+    on_host = {shard: {k: v.cpu() for k, v in tensors.items()} for shard, tensors in computed.items()}
+    plan = batch_plan(online_refs(chunks), 256, seed=0, epoch=0, window=2)
+    on_gpu = list(BatchFeed(_Computed(computed), plan, 256, "cuda"))
+    via_host = list(BatchFeed(_Computed(on_host), plan, 256, "cuda"))
+    assert len(on_gpu) == len(plan)
+    for packed, reference in zip(on_gpu, via_host, strict=True):
+        for name in Packed.__dataclass_fields__:
+            assert torch.equal(getattr(packed, name), getattr(reference, name)), name
