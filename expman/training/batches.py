@@ -12,7 +12,8 @@ packed and the next one being read; more only if one batch needs more), plus, on
 of ``train.max_tokens`` tokens and at most ``train.prefetch`` packed batches waiting on the device. At the
 llama3-8b drafter shape (32 KiB of features a token) with 0.5 GiB shards, window 4 and 8192-token batches: 4 GiB
 of shards and 0.5 GiB pinned on the host, 0.75 GiB on the GPU (counting the batch in training); at Kimi-K2's
-(56 KiB a token, 0.55 GiB shards): 4.4 GiB, 0.9 GiB and 1.3 GiB.
+(56 KiB a token, 0.55 GiB shards): 4.4 GiB, 0.9 GiB and 1.3 GiB. With online features on CUDA the resident
+shards are on the GPU instead (the verifier computed them there) and batches are packed there.
 """
 
 from __future__ import annotations
