@@ -113,3 +113,39 @@ def test_two_tensor_parallel_ranks_write_the_states_one_rank_writes(
         x, y = one[key].float(), two[key].float()
         assert torch.nn.functional.cosine_similarity(x, y, dim=-1).min() > 0.9999, key
     assert (one["verifier_top1"] == two["verifier_top1"]).float().mean() > 0.99
+
+
+@pytest.mark.slow
+def test_vllm_online_states_equal_vllm_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """train.features: online with extract.backend: vllm: the engine computes each shard as the trainer reads it,
+    and hands out the states offline extraction stores (same engine, same shards)."""
+    pytest.importorskip("vllm")
+    import torch
+
+    from expman.training.online import OnlineFeatures, online_chunks
+
+    monkeypatch.chdir(tmp_path)
+    make_tiny_verifier(tmp_path / "tiny-verifier", hidden_size=128)
+    (tmp_path / "prompts").mkdir()
+    write_prompts(tmp_path / "prompts", "train", 6)
+    params = tiny_params("tiny-verifier")
+    params["generate"].update(datasets=[{"path": "prompts/train.jsonl", "split": "train"}], max_new_tokens=24)
+    params["extract"].update(backend="vllm", dtype="float32", samples_per_shard=4)
+    loaded = write_params(params)
+    prepare(loaded, paths.VERIFIER)
+    generate(loaded, GeneratePaths(paths.VERIFIER, paths.GENERATED, paths.GENERATE_STATE))
+    offline = extract(loaded, ExtractPaths(paths.VERIFIER, paths.GENERATED, Path("extract-offline")))
+    params["train"]["features"] = "online"
+    online = extract(write_params(params), ExtractPaths(paths.VERIFIER, paths.GENERATED, Path("extract-online")))
+    assert online["features"] == {"mode": "online"} and online["contract"] == offline["contract"]
+    chunks = online_chunks(online, paths.GENERATED)
+    assert len(chunks) == len(offline["shards"]) > 1
+    reader = OnlineFeatures(online, chunks, paths.VERIFIER, "cpu", cache_gib=0)
+    try:
+        for index in range(len(chunks)):
+            computed, stored = reader.read(index).result(), load_shard(offline, index)
+            assert computed.keys() == stored.keys()
+            for name, tensor in stored.items():
+                assert torch.equal(computed[name], tensor), (index, name)
+    finally:
+        reader.close()
