@@ -102,10 +102,21 @@ def _shard_bytes(clone: Path) -> dict[str, int]:
     return found
 
 
+def _start_queue(clone: Path, jobs: int) -> None:
+    """``dvc queue start``. Its detached worker inherits the command's output: to a file, not a pipe, since reading
+    a pipe to its end would wait for the worker, that is for the whole sweep, and nothing would be polled during it."""
+    log = clone / ".dvc/tmp/queue-start.log"
+    with open(log, "w", encoding="utf-8") as out:
+        command = [sys.executable, "-m", "dvc", "queue", "start", "-j", str(jobs)]
+        result = subprocess.run(command, cwd=clone, env=_env(clone), stdout=out, stderr=STDOUT)
+    if result.returncode:
+        raise click.ClickException(f"dvc queue start failed in {clone}:\n{log.read_text()[-3000:]}")
+
+
 def _run_queue(clone: Path, names: list[str], jobs: int) -> tuple[float, dict[str, int]]:
     """``dvc queue start -j JOBS``, polled (git refs, the file system) until every experiment has its ref."""
     started = time.monotonic()
-    _dvc(clone, "queue", "start", "-j", str(jobs))
+    _start_queue(clone, jobs)
     written: dict[str, int] = {}
     finished: set[str] = set()
     while len(finished) < len(names) and time.monotonic() - started < SWEEP_TIMEOUT:
