@@ -108,7 +108,7 @@ def _start_queue(clone: Path, jobs: int) -> None:
     log = clone / ".dvc/tmp/queue-start.log"
     with open(log, "w", encoding="utf-8") as out:
         command = [sys.executable, "-m", "dvc", "queue", "start", "-j", str(jobs)]
-        result = subprocess.run(command, cwd=clone, env=_env(clone), stdout=out, stderr=STDOUT)
+        result = subprocess.run(command, cwd=clone, env=_env(clone), stdout=out, stderr=subprocess.STDOUT)
     if result.returncode:
         raise click.ClickException(f"dvc queue start failed in {clone}:\n{log.read_text()[-3000:]}")
 
