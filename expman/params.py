@@ -636,6 +636,11 @@ def load_params(path: str | Path = "params.yaml") -> Params:
         overlay = _read_mapping(preset_path, "stage sections")
         if "preset" in overlay:
             raise ExpmanError(f"{preset_path}: preset: a preset cannot select another preset")
+        if isinstance(overlay.get("train"), dict) and "features" in overlay["train"]:
+            raise ExpmanError(
+                f"{preset_path}: train.features: set it in params.yaml or with -S, not in a preset "
+                "(extract tracks it in params.yaml: online features mean extract computes nothing)"
+            )
     try:
         return Params.model_validate(_merged(data, overlay), context={"root": Path.cwd()})
     except ValidationError as err:

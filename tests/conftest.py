@@ -151,6 +151,7 @@ def tiny_params(source: str) -> dict:
             "log_every": 2,
             "checkpoint_every": 3,
             "val_fraction": 0.2,
+            "features": "offline",  # extract tracks it in params.yaml (dvc.yaml): DVC needs the key there
         },
         "evaluate": {"ks": [1, 3], "max_prompts": 4, "max_new_tokens": 10},
         "benchmark": {"engine": "none"},  # vLLM cannot serve the tiny random model; the slow tier runs it

@@ -227,3 +227,13 @@ def test_on_cuda_online_states_stay_on_the_gpu_and_pack_as_host_ones(project: Pa
     for packed, reference in zip(on_gpu, via_host, strict=True):
         for name in Packed.__dataclass_fields__:
             assert torch.equal(getattr(packed, name), getattr(reference, name)), name
+
+
+def test_a_preset_cannot_choose_the_features(project: Path) -> None:
+    """extract tracks train.features in params.yaml only (DVC needs the key in every preset it lists it for)."""
+    Path("presets").mkdir()
+    Path("presets/mine.yaml").write_text(yaml.safe_dump({"train": {"features": "online"}}))
+    params = yaml.safe_load(Path("params.yaml").read_text())
+    Path("params.yaml").write_text(yaml.safe_dump({"preset": "mine", **params}, sort_keys=False))
+    with pytest.raises(ExpmanError, match=r"^presets/mine.yaml: train.features: set it in params.yaml or with -S"):
+        load_params("params.yaml")
