@@ -160,8 +160,9 @@ def stage_arm(root: Path, epochs: int, **train: object) -> dict:
 @click.option("--shape", default="llama3-8b", show_default=True)
 @click.option("--documents", default=192, show_default=True, help=f"training documents of {DOCUMENT} tokens")
 @click.option("--workdir", type=click.Path(path_type=Path), help="where the project goes (default: a temp folder)")
+@click.option("--skip-offline", is_flag=True, help="leave out extract and the offline arm (a short device call)")
 @click.option("--out", type=click.Path(path_type=Path), required=True)
-def main(shape: str, documents: int, workdir: Path | None, out: Path) -> None:
+def main(shape: str, documents: int, workdir: Path | None, skip_offline: bool, out: Path) -> None:
     root = Path(tempfile.mkdtemp(prefix="online-", dir=workdir))
     os.environ[STORE_VARIABLE] = str(root / "features")
     where = project_paths(root)
@@ -195,6 +196,8 @@ def main(shape: str, documents: int, workdir: Path | None, out: Path) -> None:
         row["online_cached_tok_s"] = min(cached["stage_tok_s"][1:])
         row["feature_bytes_written"] = store_bytes(root)
         write_report(out, report)
+        if skip_offline:
+            return
 
         row["offline_extract_s"], manifest = run_extract(root, "offline")
         row["offline_feature_bytes"] = store_bytes(root)
