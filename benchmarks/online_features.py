@@ -60,6 +60,13 @@ def _tau(clone: Path) -> dict[str, float]:
     return {arm: summary[arm]["k3"]["tau"] for arm in ("candidate", "baseline") if arm in summary}
 
 
+def _cache_gib(clone: Path) -> float:
+    """The host memory the online run kept computed states in (0 before params.yaml had the key)."""
+    import yaml
+
+    return float(yaml.safe_load((clone / "params.yaml").read_text())["train"].get("online_cache_gib", 0))
+
+
 def _mode(clone: Path, args: list[str]) -> dict:
     import time
 
@@ -95,6 +102,7 @@ def main(rev: str, work: Path, out: Path | None) -> None:
         "measured_commit": commit,
         "offline": offline,
         "online": online,
+        "online_cache_gib": _cache_gib(clone),
         "ratio_online_to_offline": {
             stage: online["stage_seconds"][stage] / offline["stage_seconds"][stage] for stage in sorted(shared)
         },

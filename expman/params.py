@@ -360,9 +360,10 @@ class TrainParams(Section):
     (its manifest records the capture contract and the shard plan) and the train and baseline stages compute each
     shard's states with the verifier, on their own device, while they train: no features on disk, a verifier
     forward per shard read. Read by extract too (it decides whether extract computes anything)."""
-    online_cache_gib: float = Field(default=0.0, ge=0.0)
-    """online: host memory for computed shards, so epochs after the first read them instead of computing them
-    again (least recently used dropped first); 0 computes every shard every time it is read."""
+    online_cache_gib: float = Field(default=4.0, ge=0.0)
+    """online: host memory for computed states. The held-out documents first (validation reads them after every
+    epoch; they are spread over every shard), then whole shards, so epochs after the first read them instead of
+    computing them again (least recently used dropped first); 0 computes a shard every time it is read."""
     gpus: PositiveInt = 1
     """Training processes on this host (one a GPU; on CPU, gloo processes). Above 1, or with ``nodes`` above 1,
     the stage starts itself under torchrun: DDP, or FSDP with ``fsdp``. Global batch: accumulate x gpus x nodes."""

@@ -22,7 +22,7 @@ from expman.drafter.objective import Packed
 from expman.errors import ExpmanError
 from expman.params import load_params
 from expman.paths import ExtractPaths, TrainPaths
-from expman.training.batches import BatchFeed, batch_plan, index_samples
+from expman.training.batches import BatchFeed, _document, batch_plan, index_samples
 from expman.training.online import OnlineFeatures, online_chunks, online_refs
 from expman.training.train import train
 from tests.test_pipeline import run_until
@@ -109,18 +109,62 @@ def test_online_training_equals_offline_training(project: Path) -> None:
 
 
 def test_the_host_cache_computes_each_shard_once(project: Path) -> None:
-    """Without the cache every read computes (two epochs and the held-out passes: several times the samples'
-    tokens); with room for every shard, each is computed once."""
+    """Without the cache every read computes (every epoch and its held-out pass: more than the samples'
+    tokens); with the default room, each shard is computed once."""
     run_until("vocab")
-    _set("train", features="online")
+    _set("train", features="online", online_cache_gib=0)
     manifest = _extract()
     total = manifest["totals"]["tokens"]
     run = _train()["provenance"]["mlflow_run_id"]
     assert MlflowClient().get_metric_history(run, "online_features_tokens")[-1].value > total
     _clear_train_outputs(project)
-    _set("train", online_cache_gib=1.0)
+    params = yaml.safe_load(Path("params.yaml").read_text())
+    del params["train"]["online_cache_gib"]
+    Path("params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     run = _train()["provenance"]["mlflow_run_id"]
     assert MlflowClient().get_metric_history(run, "online_features_tokens")[-1].value == total
+    assert MlflowClient().get_metric_history(run, "online_held_out_bytes")[-1].value > 0
+
+
+def test_validation_reads_the_held_out_documents_training_kept(project: Path) -> None:
+    """With room for the held-out documents only, validation reads them as training computed them (the same
+    tensors) and computes nothing; with no room, it computes their shards again."""
+    run_until("vocab")
+    _set("train", features="online")
+    manifest = _extract()
+    chunks = online_chunks(manifest, paths.GENERATED)
+    refs = online_refs(chunks)
+    held_out = refs[::3]
+    everything = OnlineFeatures(manifest, chunks, paths.VERIFIER, "cpu", cache_gib=0)
+    try:
+        shards = [everything.read(shard).result() for shard in range(len(chunks))]
+    finally:
+        everything.close()
+    per_token = sum(t[0].numel() * t.element_size() for name, t in shards[0].items() if name != "sample_offsets")
+    offsets = sum(8 * (len(chunks[shard]) + 1) for shard in {ref.shard for ref in held_out})
+    room = sum(ref.length * per_token for ref in held_out) + offsets
+
+    reader = OnlineFeatures(manifest, chunks, paths.VERIFIER, "cpu", cache_gib=room / 2**30, held_out=held_out)
+    try:
+        for shard in range(len(chunks)):  # the training pass
+            reader.read(shard).result()
+        computed = reader.computed_tokens
+        validation = reader.held_out()
+        for ref in held_out:
+            document = _document(validation.read(ref.shard).result(), ref, 10**6)
+            expected = _document(shards[ref.shard], ref, 10**6)
+            assert all(torch.equal(document[name], expected[name]) for name in expected), ref
+        assert reader.computed_tokens == computed and not reader.cache and reader.held_bytes == room
+    finally:
+        reader.close()
+
+    no_room = OnlineFeatures(manifest, chunks, paths.VERIFIER, "cpu", cache_gib=0, held_out=held_out)
+    try:
+        no_room.read(0).result()
+        no_room.held_out().read(0).result()
+        assert no_room.computed_tokens == 2 * int(shards[0]["input_ids"].numel())
+    finally:
+        no_room.close()
 
 
 def test_a_killed_online_train_resumes_bit_identical(project: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,8 +8,10 @@ would and the batch plan, the resume and the weights are those of an offline run
 verifier runs on the training device, in the training process (co-located), and loads on the first shard read.
 
 ``OnlineFeatures`` stands where the offline ``ShardReader`` stands: ``read(shard)`` hands out a shard's tensors.
-With ``train.online_cache_gib`` computed shards stay in host memory (least recently used dropped first) so later
-epochs read them instead of computing them again.
+``train.online_cache_gib`` bounds the host memory it keeps computed states in. The held-out documents come first:
+they are spread over every shard, so without them validation would compute every shard again after each epoch to
+read a tenth of it; ``held_out()`` reads them as training kept them. Whole shards take the rest of the bound (least
+recently used dropped first), so later epochs read them instead of computing them again.
 """
 
 from __future__ import annotations
@@ -17,17 +19,24 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from expman.data.extract import online_plan, plan_samples, shard_chunks, shard_computer
 from expman.data.generate import read_responses
 from expman.errors import ExpmanError
 from expman.params import ExtractParams
-from expman.training.batches import SampleRef
+from expman.training.batches import PER_TOKEN, FeatureReader, SampleRef
 
 __all__ = ["OnlineFeatures", "online_chunks", "online_refs"]
+
+
+def _bytes(tensors: dict[str, Any]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def _extract_section(manifest: dict[str, Any]) -> ExtractParams:
@@ -67,6 +76,7 @@ class OnlineFeatures:
         verifier: Path,
         device: str,
         cache_gib: float,
+        held_out: Sequence[SampleRef] = (),
     ):
         self.chunks = chunks
         section = _extract_section(manifest)
@@ -78,6 +88,11 @@ class OnlineFeatures:
         self.cache: OrderedDict[int, dict[str, Any]] = OrderedDict()
         self.cache_limit = int(cache_gib * 2**30)
         self.cache_bytes = 0
+        self.held_out_documents: dict[int, list[int]] = {}
+        for ref in held_out:
+            self.held_out_documents.setdefault(ref.shard, []).append(ref.index)
+        self.held: dict[int, dict[str, Any]] = {}
+        self.held_bytes = 0
         self.computed_tokens = 0
         self.compute_seconds = 0.0
 
@@ -102,20 +117,69 @@ class OnlineFeatures:
             copied.synchronize()
         self.compute_seconds += time.perf_counter() - started
         self.computed_tokens += int(tensors["input_ids"].numel())
+        self._hold(shard, tensors)
         self._keep(shard, tensors)
         return tensors
 
+    def held_out(self) -> FeatureReader:
+        """The reader of the validation batches: a shard's held-out documents as they were kept when the shard was
+        computed (the shard itself when cached; computed again only when neither is in memory)."""
+        return _HeldOut(self)
+
+    def _hold(self, shard: int, tensors: dict[str, Any]) -> None:
+        """The shard's held-out documents into host memory, when they fit the bound. The copy keeps the shard's
+        indexing: every other document is left with no tokens."""
+        documents = self.held_out_documents.get(shard)
+        if not documents or shard in self.held:
+            return
+        offsets = tensors["sample_offsets"].tolist()
+        lengths = [0] * (len(offsets) - 1)
+        for index in documents:
+            lengths[index] = offsets[index + 1] - offsets[index]
+        spans = [slice(offsets[index], offsets[index + 1]) for index in sorted(documents)]
+        kept = {name: torch.cat([tensors[name][span] for span in spans]).cpu() for name in PER_TOKEN}
+        kept["sample_offsets"] = torch.tensor([0, *lengths]).cumsum(0)
+        size = _bytes(kept)
+        if self.held_bytes + size > self.cache_limit:
+            return
+        self.held[shard] = kept
+        self.held_bytes += size
+        while self.cache and self.held_bytes + self.cache_bytes > self.cache_limit:
+            self._drop_oldest()
+
     def _keep(self, shard: int, tensors: dict[str, Any]) -> None:
-        """Into the host cache (states computed on a GPU are copied down), when the shard fits its bound."""
-        size = sum(t.numel() * t.element_size() for t in tensors.values())
-        if size > self.cache_limit:
+        """Into the host cache (states computed on a GPU are copied down), in what the held-out documents leave
+        of the bound."""
+        size = _bytes(tensors)
+        if self.held_bytes + size > self.cache_limit:
             return
         self.cache[shard] = {name: tensor.cpu() for name, tensor in tensors.items()}
         self.cache_bytes += size
-        while self.cache_bytes > self.cache_limit:
-            _, dropped = self.cache.popitem(last=False)
-            self.cache_bytes -= sum(t.numel() * t.element_size() for t in dropped.values())
+        while self.held_bytes + self.cache_bytes > self.cache_limit:
+            self._drop_oldest()
+
+    def _drop_oldest(self) -> None:
+        _, dropped = self.cache.popitem(last=False)
+        self.cache_bytes -= _bytes(dropped)
 
     def close(self) -> None:
         self.cache.clear()
+        self.held.clear()
         self.stack.close()
+
+
+class _HeldOut:
+    """``OnlineFeatures`` as the validation batches read it (``OnlineFeatures.held_out``)."""
+
+    def __init__(self, features: OnlineFeatures):
+        self.features = features
+
+    def read(self, shard: int) -> Future:
+        if shard in self.features.held:
+            future: Future = Future()
+            future.set_result(self.features.held[shard])
+            return future
+        return self.features.read(shard)
+
+    def close(self) -> None:
+        """The features it reads are closed by their owner."""

@@ -319,11 +319,18 @@ def _online_shards(
     return online_chunks(extract_manifest, where.generated) if mode == "online" else None
 
 
-def _feature_reader(inputs: _Inputs, section: TrainParams, where: TrainPaths, device: str) -> FeatureReader:
-    """Where batches get their features: the stored shards, or the verifier computing them (online)."""
+def _feature_readers(
+    inputs: _Inputs, section: TrainParams, where: TrainPaths, device: str, validates: bool
+) -> tuple[FeatureReader, FeatureReader]:
+    """Where the training and the validation batches get their features: the stored shards, or the verifier
+    computing them (online; validation reads the held-out documents training kept, in this process if it
+    ``validates``)."""
     if inputs.online is None:
-        return ShardReader(inputs.extract)
-    return OnlineFeatures(inputs.extract, inputs.online, where.verifier, device, section.online_cache_gib)
+        reader = ShardReader(inputs.extract)
+        return reader, reader
+    held_out = inputs.val_refs if validates else []
+    reader = OnlineFeatures(inputs.extract, inputs.online, where.verifier, device, section.online_cache_gib, held_out)
+    return reader, reader.held_out()
 
 
 def _build_drafter(
@@ -404,8 +411,14 @@ def _write_outputs(
         facts["gpu_peak_gib"] = loop.peak_gib
         run.log_metrics({f"gpu{rank}/peak_gib": gib for rank, gib in enumerate(loop.peak_gib)})
     if isinstance(loop.reader, OnlineFeatures):  # what computing the features cost (a time: the run, not the manifest)
-        computed = {"tokens": loop.reader.computed_tokens, "seconds": loop.reader.compute_seconds}
-        run.log_metrics({"online_features_tokens": computed["tokens"], "online_features_s": computed["seconds"]})
+        features = loop.reader
+        run.log_metrics(
+            {
+                "online_features_tokens": features.computed_tokens,
+                "online_features_s": features.compute_seconds,
+                "online_held_out_bytes": features.held_bytes,
+            }
+        )
     recorded = finish(run, where.out) if finish is not None else None
     return run.write_manifest(where.out / "manifest.json", facts, recorded)
 
@@ -441,14 +454,14 @@ def train(
     plan_key = _plan_key(section, parallel, sample_share, inputs.upstream)
     _remove_stale_temps(where)
     step, history = _resume(where.state, plan_key, drafter, optimizer, scheduler, noise, parallel, device)
-    reader = _feature_reader(inputs, section, where, device)
+    readers = _feature_readers(inputs, section, where, device, parallel.main or parallel.sharded)
     val_refs = inputs.val_refs
     val_batches = (
         batch_plan(val_refs, section.max_tokens, section.seed, VAL_EPOCH, section.shard_window) if val_refs else []
     )
     logged = section.model_dump() | {"resolved": precision_facts(device, section.dtype)}
     logged |= {"sample_share": sample_share} if sample_share < 1 else {}
-    loop = _Loop(section, device, parallel, drafter, head, optimizer, scheduler, noise, reader, stage, history)
+    loop = _Loop(section, device, parallel, drafter, head, optimizer, scheduler, noise, readers, stage, history)
     try:
         with stage_run(stage, logged, inputs.upstream) if parallel.main else nullcontext() as run:
             final = loop.run(run, plans, step, val_batches, where.state, plan_key)
@@ -462,7 +475,7 @@ def train(
                 drafter.load_state_dict(weights)
             manifest = _write_outputs(run, loop, drafter, final, inputs, where, finish)
     finally:
-        reader.close()
+        readers[0].close()  # the validation reader reads through it
     parallel.close()
     return manifest
 
@@ -481,10 +494,10 @@ class _Loop:
     ``history`` (saved with each checkpoint, so a resumed run draws the whole curve): the rows of the curves so
     far (``steps``, ``heldout``) and the metrics of the logging window still open (``window``)."""
 
-    def __init__(self, section, device, parallel, drafter, head, optimizer, scheduler, noise, reader, stage, history):
+    def __init__(self, section, device, parallel, drafter, head, optimizer, scheduler, noise, readers, stage, history):
         self.section, self.device, self.parallel = section, device, parallel
         self.drafter, self.head, self.optimizer, self.scheduler, self.noise = drafter, head, optimizer, scheduler, noise
-        self.reader, self.stage, self.history = reader, stage, history
+        (self.reader, self.val_reader), self.stage, self.history = readers, stage, history
         self.step, self.tokens, self.started = 0, 0, time.perf_counter()
         self.epoch_tokens, self.epoch_started, self.warm = 0, self.started, False
         self.epoch_waited = 0.0  # seconds this epoch's steps waited for their batches from the feed
@@ -538,7 +551,7 @@ class _Loop:
             feed.close()
             bar.close()
         if val_batches and not final and (parallel.main or parallel.sharded):  # resumed after the last epoch ended
-            final = _evaluate(self.drafter, self.head, self.reader, val_batches, section, self.device)
+            final = _evaluate(self.drafter, self.head, self.val_reader, val_batches, section, self.device)
         return final
 
     def _remaining(self, plans, step: int) -> tuple[list, list]:
@@ -579,7 +592,7 @@ class _Loop:
         """The held-out metrics after an epoch (empty without validation batches); the next epoch's rate starts."""
         final: dict[str, float] = {}
         if val_batches and (self.parallel.main or self.parallel.sharded):  # FSDP: every forward is a collective
-            final = _evaluate(self.drafter, self.head, self.reader, val_batches, self.section, self.device)
+            final = _evaluate(self.drafter, self.head, self.val_reader, val_batches, self.section, self.device)
             if self.parallel.main:
                 run.log_metrics({f"val/{k}": v for k, v in final.items()}, step=self.step)
                 self.history["heldout"].append(train_row(self.step, final, self.section.ttt_steps))
