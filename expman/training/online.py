@@ -17,6 +17,7 @@ recently used dropped first), so later epochs read them instead of computing the
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -95,6 +96,9 @@ class OnlineFeatures:
         self.held_bytes = 0
         self.computed_tokens = 0
         self.compute_seconds = 0.0
+        # one forward at a time through the capture hooks: on CUDA the training feed's packer thread may compute
+        # the next shard while a validation feed reads
+        self.lock = threading.Lock()
 
     def read(self, shard: int) -> Future:
         """A future of the shard's tensors, computed in the calling thread (on CUDA, the feed's packer thread, so
@@ -102,7 +106,8 @@ class OnlineFeatures:
         the CPU, the training thread, which owns the cores)."""
         future: Future = Future()
         try:
-            future.set_result(self._tensors(shard))
+            with self.lock:
+                future.set_result(self._tensors(shard))
         except BaseException as err:  # raised where the feed asks for the result, as a failed read is
             future.set_exception(err)
         return future
@@ -175,11 +180,13 @@ class _HeldOut:
         self.features = features
 
     def read(self, shard: int) -> Future:
-        if shard in self.features.held:
-            future: Future = Future()
-            future.set_result(self.features.held[shard])
-            return future
-        return self.features.read(shard)
+        with self.features.lock:
+            held = self.features.held.get(shard)
+        if held is None:
+            return self.features.read(shard)
+        future: Future = Future()
+        future.set_result(held)
+        return future
 
     def close(self) -> None:
         """The features it reads are closed by their owner."""
