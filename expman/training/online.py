@@ -141,12 +141,13 @@ class OnlineFeatures:
         lengths = [0] * (len(offsets) - 1)
         for index in documents:
             lengths[index] = offsets[index + 1] - offsets[index]
+        per_token = sum(tensors[name][:1].numel() * tensors[name].element_size() for name in PER_TOKEN)
+        size = sum(lengths) * per_token + 8 * len(offsets)  # measured before any copy: none when it cannot fit
+        if self.held_bytes + size > self.cache_limit:
+            return
         spans = [slice(offsets[index], offsets[index + 1]) for index in sorted(documents)]
         kept = {name: torch.cat([tensors[name][span] for span in spans]).cpu() for name in PER_TOKEN}
         kept["sample_offsets"] = torch.tensor([0, *lengths]).cumsum(0)
-        size = _bytes(kept)
-        if self.held_bytes + size > self.cache_limit:
-            return
         self.held[shard] = kept
         self.held_bytes += size
         while self.cache and self.held_bytes + self.cache_bytes > self.cache_limit:
@@ -180,8 +181,7 @@ class _HeldOut:
         self.features = features
 
     def read(self, shard: int) -> Future:
-        with self.features.lock:
-            held = self.features.held.get(shard)
+        held = self.features.held.get(shard)  # entries are only added (under the lock), never replaced
         if held is None:
             return self.features.read(shard)
         future: Future = Future()
